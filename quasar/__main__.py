@@ -1,0 +1,3 @@
+import sys
+from quasar.cli import main
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""`quasar` command line: generate, and the subcommands other modules register.
+
+Each area registers its own subcommand from a light `commands` module (argparse only at
+import time), so `quasar --help` stays fast. A QuasarError becomes one line on stderr and
+exit status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from quasar.errors import QuasarError
+
+# modules that define `register(subparsers)`; a missing one is simply not offered yet
+COMMAND_MODULES = ["quasar.quant.commands", "quasar.bench.commands", "quasar.eval.commands",
+                   "quasar.server.commands"]
+
+BUILTIN_PROMPT = ("Write a Python function `fizzbuzz(n)` that returns a list of strings for 1..n, "
+                  "then explain it briefly.")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a model directory")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="float dtype of the model")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    from quasar.api import DEFAULT_DRAFTER, DEFAULT_VERIFIER
+
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram")
+    p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | pruned:F")
+    p.add_argument("--num-draft", type=int, default=5, help="draft tokens per step (k)")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--adaptive", action="store_true", help="choose k per step from recent acceptance")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a reply (streamed to stdout)")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: a built-in code prompt)")
+    src.add_argument("--prompt-file", help="read the prompt from a text file")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as-is, without the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", nargs="+", default=[], help="stop strings")
+    add_decoding_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run_generate)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise QuasarError(f"prompt file not found: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise QuasarError(f"{path}: not UTF-8 text") from None
+        if not text.strip():
+            raise QuasarError(f"{path}: prompt file is empty")
+        return text
+    return args.prompt if args.prompt is not None else BUILTIN_PROMPT
+
+
+def run_generate(args) -> int:
+    from quasar.api import LLM
+    from quasar.spec.generate import Result
+
+    prompt = _read_prompt(args)
+    llm = LLM(args.model, dtype=args.dtype, drafter=args.drafter, verifier=args.verifier, threads=args.threads)
+    options = dict(raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                   num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                   adaptive=args.adaptive)
+    if args.json:
+        print(json.dumps(llm.generate(prompt, **options).as_dict(), ensure_ascii=False))
+        return 0
+    result = None
+    for item in llm.stream(prompt, **options):
+        if isinstance(item, Result):
+            result = item
+        else:
+            sys.stdout.write(item.text)
+            sys.stdout.flush()
+    s = result.stats
+    print(file=sys.stdout)
+    print(f"[{args.drafter}+{args.verifier}] {s.new_tokens} tokens in {s.wall_s:.2f} s: "
+          f"{s.tokens_per_s:.1f} tokens/s, {s.steps} verifier steps, "
+          f"mean accepted {s.mean_accepted:.2f} ({result.finish_reason})", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quasar", description="Faster LLM decoding: n-gram drafts + INT8 verifier")
+    from quasar import __version__
+
+    parser.add_argument("--version", action="version", version=f"quasar {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except QuasarError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Convert a GGUF file once into a float Hugging Face directory in the Quasar cache.
+
+The `gguf` package reads and dequantizes the tensors; transformers builds the tokenizer and
+chat template from the file's metadata. The result (config.json, model.safetensors,
+tokenizer files) is written to a temporary directory and renamed into place, keyed by the
+file's identity, so later loads skip all of this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quasar.errors import QuasarError
+
+# GGUF architecture -> Hugging Face model_type
+GGUF_ARCHES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QUASAR_CACHE") or Path.home() / ".cache" / "quasar")
+
+
+def cache_dir_for(path: Path) -> Path:
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{path.stem}-{digest}"
+
+
+def gguf_to_hf_dir(path: Path) -> Path:
+    """Return the cached float HF directory for `path`, converting on first use."""
+    target = cache_dir_for(path)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        _convert(path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on damaged files
+        raise QuasarError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _config(reader, path: Path, has_output: bool) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHES:
+        raise QuasarError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(GGUF_ARCHES)}")
+
+    def get(key, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise QuasarError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    cfg = {
+        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": GGUF_ARCHES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": not has_output,
+        "hidden_act": "silu",
+    }
+    for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        value = _field(reader, key)
+        if value is not None:
+            cfg[hf] = int(value)
+    return cfg
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (it interleaves the two rotary halves)."""
+    out, inp = w.shape
+    return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def _tensors(reader, cfg: dict, path: Path) -> dict[str, torch.Tensor]:
+    from gguf import dequantize
+
+    permute = cfg["model_type"] in ("llama", "mistral")
+    tensors = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            base = LAYER_NAMES.get(parts[2])
+            if base is None:
+                raise QuasarError(f"{path}: unexpected tensor {t.name}")
+            name = f"model.layers.{parts[1]}.{base}.{parts[3]}"
+        elif parts[0] in GLOBAL_NAMES:
+            name = f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+        elif parts[0] == "rope_freqs":  # llama3 scaling factors; rebuilt from config instead
+            continue
+        else:
+            raise QuasarError(f"{path}: unexpected tensor {t.name}")
+        try:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        except Exception as e:
+            raise QuasarError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
+        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and parts[3] == "weight":
+            heads = cfg["num_attention_heads"] if parts[2] == "attn_q" else cfg["num_key_value_heads"]
+            w = _unpermute(w, heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return tensors
+
+
+def _save_tokenizer(path: Path, out: Path) -> None:
+    import logging
+
+    from transformers import AutoTokenizer
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise QuasarError(f"{path}: cannot build a tokenizer from the GGUF metadata ({type(e).__name__}: {e})") from None
+    tok.save_pretrained(str(out))
+
+
+def _convert(path: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    reader = _reader(path)
+    names = {t.name for t in reader.tensors}
+    cfg = _config(reader, path, has_output="output.weight" in names)
+    tensors = _tensors(reader, cfg, path)
+    _save_tokenizer(path, out)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"source": str(path)})

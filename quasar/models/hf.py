@@ -1,0 +1,98 @@
+"""Load a Hugging Face model directory: config.json + safetensors (single or sharded).
+
+No pickle, no `trust_remote_code`: only safetensors are read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from quasar.errors import QuasarError
+from quasar.models.config import ModelConfig
+from quasar.models.llama import Transformer, rope_inv_freq
+
+
+def read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise QuasarError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise QuasarError(f"{path}: invalid JSON ({e})") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise QuasarError(f"{index}: invalid shard index ({e})") from None
+        files = [model_dir / s for s in shards]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise QuasarError(f"{model_dir}: shard files listed in the index are missing: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise QuasarError(f"{model_dir}: only pickle weights (.bin/.pt) found; Quasar reads safetensors only")
+    raise QuasarError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    tensors[name] = st.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise QuasarError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    return tensors
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
+                dtype: torch.dtype = torch.float32, quant_config: dict | None = None) -> Transformer:
+    """Instantiate the decoder and fill it from `tensors` (HF names), strictly."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if quant_config is not None:
+        from quasar.quant.checkpoint import prepare_quantized_modules
+
+        prepare_quantized_modules(model, quant_config, tensors)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    expected = set(model.state_dict().keys())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+        raise QuasarError(f"{source}: weights do not match a {cfg.model_type} model ({'; '.join(parts)})")
+    state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("_scale") else v)
+             for k, v in tensors.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the checkpoint
+    return model.eval()
+
+
+def load_hf_dir(model_dir: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    raw = read_config(model_dir)
+    cfg = ModelConfig.from_hf(raw)
+    tensors = read_safetensors(weight_files(model_dir))
+    return build_model(cfg, tensors, str(model_dir), dtype, raw.get("quantization_config"))

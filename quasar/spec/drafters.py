@@ -1,0 +1,149 @@
+"""Drafters: cheap guesses of the next tokens, to be verified by the model in one pass.
+
+A drafter only sees tokens that were actually kept (prompt + emitted output), so it never
+needs a rollback: the generate loop calls `extend` with what it emits, nothing else.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from quasar.errors import QuasarError
+
+
+class Drafter(ABC):
+    """Proposes up to k next tokens from the token history; never calls the model."""
+
+    name: str = "drafter"
+
+    @abstractmethod
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Forget everything and start a new history from the prompt."""
+
+    @abstractmethod
+    def extend(self, new_ids: list[int]) -> None:
+        """Append tokens that were accepted or emitted (in order)."""
+
+    @abstractmethod
+    def propose(self, k: int) -> list[int]:
+        """Return 0..k guessed next tokens; fewer (or none) when there is no good guess."""
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing, which turns speculative decoding into plain autoregression."""
+
+    name = "none"
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def extend(self, new_ids: list[int]) -> None:
+        pass
+
+    def propose(self, k: int) -> list[int]:
+        return []
+
+
+_PREFER = ("recent", "earliest")
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: match the history's longest recent suffix and copy what followed it.
+
+    For each n in [n_min, n_max] an index maps an n-gram to the position just after one of
+    its earlier occurrences (the most recent or the earliest, per `prefer`). An n-gram is
+    indexed only once a token follows it, so the current suffix never matches itself and
+    every match has at least one token to copy. Updating costs O(n_max) per token and
+    `propose` costs O(n_max + k), independent of the history length.
+
+    Copying runs forward from the match and may run into the suffix and into the proposal
+    itself, i.e. a match at distance d extends the text as if it repeats with period d:
+    "a a a a" proposes k more "a"s, which is what repetitive text tends to do.
+    """
+
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 3, prefer: str = "recent") -> None:
+        if not isinstance(n_min, int) or not isinstance(n_max, int) or n_min < 1:
+            raise QuasarError(
+                f"ngram drafter needs integers 1 <= n_min <= n_max, got {n_min}, {n_max}"
+            )
+        if n_max < n_min:
+            raise QuasarError(
+                f"ngram drafter needs n_min <= n_max, got n_min={n_min}, n_max={n_max}"
+            )
+        if prefer not in _PREFER:
+            raise QuasarError(
+                f"ngram drafter: prefer must be one of {', '.join(_PREFER)}, got {prefer!r}"
+            )
+        self.n_min = n_min
+        self.n_max = n_max
+        self.prefer = prefer
+        self._history: list[int] = []
+        # _index[n][ngram] = position in history of the token that followed that ngram
+        self._index: dict[int, dict[tuple[int, ...], int]] = {}
+        self.reset([])
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self._history = []
+        self._index = {n: {} for n in range(self.n_min, self.n_max + 1)}
+        self.extend(prompt_ids)
+
+    def extend(self, new_ids: list[int]) -> None:
+        recent = self.prefer == "recent"
+        hist = self._history
+        for tok in new_ids:
+            pos = len(hist)  # `tok` goes here; index the n-grams it follows
+            for n, table in self._index.items():
+                if pos < n:
+                    continue
+                key = tuple(hist[pos - n:pos])
+                if recent:
+                    table[key] = pos
+                else:
+                    table.setdefault(key, pos)
+            hist.append(int(tok))
+
+    def propose(self, k: int) -> list[int]:
+        start = self._match()
+        if start is None or k <= 0:
+            return []
+        seq = self._history
+        length = len(seq)
+        out: list[int] = []
+        for j in range(k):
+            src = start + j  # < length + j always, since start < length
+            out.append(seq[src] if src < length else out[src - length])
+        return out
+
+    def _match(self) -> int | None:
+        """Position right after the chosen earlier occurrence of the longest suffix."""
+        hist = self._history
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(hist) < n:
+                continue
+            pos = self._index[n].get(tuple(hist[len(hist) - n:]))
+            if pos is not None:
+                return pos
+        return None
+
+    @property
+    def history_length(self) -> int:
+        """Number of tokens seen (prompt + extensions); handy for checks in the loop."""
+        return len(self._history)
+
+
+_DRAFTERS: dict[str, type[Drafter]] = {"none": NoDrafter, "ngram": NgramDrafter}
+
+
+def make_drafter(name: str, **opts: Any) -> Drafter:
+    """Build a drafter by name, turning bad names and options into a QuasarError."""
+    cls = _DRAFTERS.get(name)
+    if cls is None:
+        known = ", ".join(sorted(_DRAFTERS))
+        raise QuasarError(f"unknown drafter {name!r}; known drafters: {known}")
+    try:
+        return cls(**opts)
+    except TypeError as exc:
+        raise QuasarError(f"bad options for drafter {name!r}: {exc}") from exc
