@@ -179,12 +179,13 @@ def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], draf
     stats.prefill_s = time.perf_counter() - t0
 
     while out.finish is None:
-        room = cache.max_seq_len - cache.length - 1  # positions left after `pending`
-        if room < 0:
+        # Prompt + output never exceed the context; a step emits at most k + 1 tokens.
+        room = cache.max_seq_len - len(prompt_ids) - len(out.ids)
+        if room <= 0:
             out.finish = "length"
             break
         want = adaptive.next_k() if adaptive else opts.num_draft
-        k = max(0, min(want, room, opts.max_new_tokens - len(out.ids) - 1))
+        k = max(0, min(want, room - 1, opts.max_new_tokens - len(out.ids) - 1))
         draft = drafter.propose(k)[:k] if k > 0 else []
         start = cache.length
         logits = model(torch.tensor([[pending, *draft]], device=device))[0]

@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny randomly initialised models saved as real HF directories.
+
+`tiny_model(arch)` writes a transformers model (safetensors + config.json) plus a
+tokenizer: either the default model's real tokenizer and chat template (vocab 49152) or a
+16-token character tokenizer for statistical tests that need a small vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ARCHES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model converted to a float HF directory (in the user's Quasar cache)."""
+    from quasar.models.loader import resolve_model_dir
+
+    return resolve_model_dir("default")
+
+
+def _hf_config(arch: str, vocab: int, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(overrides)
+    if arch == "llama":
+        common.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return LlamaConfig(**common)
+    if arch == "mistral":
+        common["tie_word_embeddings"] = overrides.get("tie_word_embeddings", True)
+        return MistralConfig(sliding_window=None, **common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=32, **common)
+    raise ValueError(arch)
+
+
+def write_char_tokenizer(out: Path, chars: str = "abcdefghijklm") -> int:
+    """A word-level tokenizer over single characters; ids 0..2 are <unk>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in chars:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(out / "tokenizer.json"))
+    # No EOS: a random model would emit it early and cut every test output short.
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    return len(vocab)
+
+
+def make_tiny_model(out: Path, arch: str = "llama", tokenizer_dir: Path | None = None, seed: int = 0,
+                    **overrides) -> Path:
+    """Save a tiny random `arch` model to `out`; real tokenizer if `tokenizer_dir` is given."""
+    from transformers import AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (tokenizer_dir / name).is_file():
+                shutil.copy(tokenizer_dir / name, out / name)
+        vocab = 49152
+    else:
+        vocab = write_char_tokenizer(out)
+        overrides.setdefault("eos_token_id", None)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_hf_config(arch, vocab, **overrides)).eval()
+    with torch.no_grad():  # larger weights than the init give peaked, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def tiny_model(tmp_path, default_model_dir):
+    """Factory: tiny_model(arch, **config overrides) -> directory with the real tokenizer."""
+    def make(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        return make_tiny_model(tmp_path / f"{arch}-{seed}", arch, default_model_dir, seed, **overrides)
+    return make
+
+
+@pytest.fixture
+def tiny_char_model(tmp_path):
+    """Factory: a tiny model with a 16-token character vocabulary."""
+    def make(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        return make_tiny_model(tmp_path / f"char-{arch}-{seed}", arch, None, seed, **overrides)
+    return make

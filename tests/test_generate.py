@@ -1,0 +1,162 @@
+"""The decode loop on tiny models: speculative == autoregressive, stops, streaming, sampling."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from quasar.api import LLM
+from quasar.errors import QuasarError
+from quasar.spec.generate import Result
+
+REPETITIVE = [
+    "abcabcabcabcabc", "aaaaaaaaaa", "abababab", "hello hello hello", "defgdefgdefgdefg",
+    "mmm lll mmm lll", "the cat the cat the", "a", "kjihgfedcba", "abcdefgabcdefgab",
+]
+
+
+@pytest.fixture(scope="module")
+def char_llm(tmp_path_factory):
+    from tests.conftest import make_tiny_model
+
+    d = make_tiny_model(tmp_path_factory.mktemp("m") / "char", "llama", None, seed=3)
+    return LLM(str(d), drafter="ngram", verifier="fp", max_context=256)
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory, default_model_dir):
+    from tests.conftest import make_tiny_model
+
+    d = make_tiny_model(tmp_path_factory.mktemp("m") / "chat", "qwen2", default_model_dir, seed=5)
+    return LLM(str(d), drafter="ngram", verifier="fp", max_context=512)
+
+
+@pytest.mark.parametrize("verifier", ["fp", "pruned:0.5"])
+def test_greedy_speculative_equals_autoregressive(char_llm, verifier):
+    accepted_any = False
+    for prompt in REPETITIVE:
+        for k in (1, 3, 5):
+            ar = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="none", verifier=verifier)
+            spec = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="ngram", num_draft=k,
+                                     verifier=verifier)
+            assert spec.token_ids == ar.token_ids, (prompt, k)
+            assert spec.text == ar.text
+            accepted_any |= spec.stats["accepted"] > 0
+    assert accepted_any, "no draft was ever accepted: the test did not exercise speculation"
+
+
+def test_adaptive_draft_length_is_also_exact(char_llm):
+    for prompt in REPETITIVE[:5]:
+        ar = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="none")
+        spec = char_llm.generate(prompt, raw=True, max_new_tokens=40, adaptive=True)
+        assert spec.token_ids == ar.token_ids
+
+
+def test_stop_string_inside_a_draft_is_never_passed(char_llm):
+    # Find a greedy continuation long enough, then stop on a string from its middle.
+    ref = char_llm.generate("abcabcabc", raw=True, max_new_tokens=40, drafter="none")
+    stop = ref.text[10:12]
+    cut = ref.text.find(stop)
+    for drafter in ("none", "ngram"):
+        chunks = list(char_llm.stream("abcabcabc", raw=True, max_new_tokens=40, stop=[stop], drafter=drafter))
+        result = chunks[-1]
+        assert isinstance(result, Result)
+        assert result.text == ref.text[:cut] and result.finish_reason == "stop"
+        assert "".join(c.text for c in chunks[:-1]) == result.text  # the stream showed exactly this
+        assert len(result.token_ids) <= cut + len(stop)  # no token past the one completing the stop
+
+
+def test_max_new_tokens_exact(char_llm):
+    for n in (1, 2, 7):
+        r = char_llm.generate("abababab", raw=True, max_new_tokens=n)
+        assert len(r.token_ids) == n and r.finish_reason == "length"
+        assert r.stats["new_tokens"] == n
+
+
+def test_eos_ends_generation_and_is_not_output(char_llm, monkeypatch):
+    ref = char_llm.generate("abcabc", raw=True, max_new_tokens=12, drafter="none")
+    eos = ref.token_ids[5]
+    monkeypatch.setattr(char_llm.tokenizer, "eos_ids", {eos})
+    for drafter in ("none", "ngram"):
+        r = char_llm.generate("abcabc", raw=True, max_new_tokens=12, drafter=drafter)
+        assert r.finish_reason == "stop" and r.token_ids == ref.token_ids[:ref.token_ids.index(eos)]
+
+
+def test_context_end_stops_generation(char_llm):
+    small = LLM(str(char_llm.loaded.model_dir), drafter="ngram", verifier="fp", max_context=24)
+    r = small.generate("abcabcabcabc", raw=True, max_new_tokens=100)
+    assert r.finish_reason == "length" and 12 + len(r.token_ids) <= 24
+
+
+def test_prompt_longer_than_context(char_llm):
+    with pytest.raises(QuasarError, match="context holds"):
+        char_llm.generate("a" * 300, raw=True)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                 dict(max_new_tokens=0)])
+def test_invalid_sampling_values(char_llm, bad):
+    with pytest.raises(QuasarError):
+        char_llm.generate("abc", raw=True, **bad)
+
+
+def test_streaming_multibyte_text(chat_llm):
+    """Streamed pieces concatenate to the final text and never contain a broken character."""
+    r = chat_llm.generate("Écris « bonjour » 🌍 en 日本語", max_new_tokens=60, temperature=1.0, seed=0)
+    chunks = list(chat_llm.stream("Écris « bonjour » 🌍 en 日本語", max_new_tokens=60, temperature=1.0, seed=0))
+    streamed = "".join(c.text for c in chunks[:-1])
+    assert streamed == chunks[-1].text == r.text
+    assert "\ufffd" not in streamed or "\ufffd" in chat_llm.tokenizer.decode(r.token_ids)
+
+
+def test_chat_template_and_eos(chat_llm):
+    ids = chat_llm.encode("hi")
+    assert chat_llm.tokenizer.decode(ids, skip_special_tokens=False).startswith("<|im_start|>system")
+    r = chat_llm.generate([{"role": "user", "content": "hi"}], max_new_tokens=8)
+    assert r.stats["prompt_tokens"] == len(ids)
+
+
+def _empirical(llm, prompt, n, position, drafter, seed0):
+    counts = Counter()
+    for s in range(n):
+        r = llm.generate(prompt, raw=True, max_new_tokens=position + 1, temperature=1.3, seed=seed0 + s,
+                         drafter=drafter, num_draft=4)
+        if len(r.token_ids) > position:
+            counts[r.token_ids[position]] += 1
+    return counts
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_plain_sampling(char_llm):
+    """Chi-square: the first token follows the verifier's distribution exactly, and the third
+    token's distribution under speculative sampling equals plain sampling's."""
+    prompt = "abcabcabcab"
+    ids = char_llm.encode(prompt, raw=True)
+    model = char_llm.verifier_model("fp")
+    model.cache.length = 0
+    probs = torch.softmax(model(torch.tensor([ids]), logits="last")[0, -1] / 1.3, -1).numpy()
+
+    n = 800
+    first = _empirical(char_llm, prompt, n, 0, "ngram", 10_000)
+    support = [t for t in range(len(probs)) if probs[t] * n >= 5]
+    obs = np.array([first[t] for t in support] + [n - sum(first[t] for t in support)])
+    exp = np.array([probs[t] * n for t in support] + [n - sum(probs[t] * n for t in support)])
+    keep = exp > 0
+    assert sps.chisquare(obs[keep], exp[keep]).pvalue > 1e-3
+
+    spec = _empirical(char_llm, prompt, n, 2, "ngram", 20_000)
+    plain = _empirical(char_llm, prompt, n, 2, "none", 30_000)
+    tokens = sorted(t for t in set(spec) | set(plain) if spec[t] + plain[t] >= 10)
+    table = np.array([[spec[t] for t in tokens], [plain[t] for t in tokens]])
+    assert sps.chi2_contingency(table).pvalue > 1e-3
+
+    # the test has power: a visibly different distribution (plain sampling at T=0.6) fails it
+    cold = Counter()
+    for s in range(n):
+        r = char_llm.generate(prompt, raw=True, max_new_tokens=3, temperature=0.6, seed=40_000 + s, drafter="none")
+        cold[r.token_ids[2]] += 1
+    tokens = sorted(t for t in set(spec) | set(cold) if spec[t] + cold[t] >= 10)
+    table = np.array([[spec[t] for t in tokens], [cold[t] for t in tokens]])
+    assert sps.chi2_contingency(table).pvalue < 1e-3
