@@ -1,0 +1,88 @@
+"""`quasar bench`: argparse only at import time; the runner loads torch when run."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from quasar.errors import QuasarError
+
+MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "ngram-pruned")
+PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8")
+TASK_NAMES = ("code", "summarization", "qa", "math", "chat")
+
+
+def _names(value: str, choices: tuple[str, ...], what: str, allow_none: bool) -> list[str]:
+    items = [v.strip() for v in value.replace(" ", ",").split(",") if v.strip()]
+    if items == ["all"]:
+        return list(choices)
+    if items == ["none"] and allow_none:
+        return []
+    bad = [v for v in items if v not in choices]
+    if bad or not items:
+        extra = " (or all" + (", none)" if allow_none else ")")
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or repr(value)}; "
+                                         f"choose from {', '.join(choices)}{extra}")
+    return list(dict.fromkeys(items))
+
+
+def register(sub) -> None:
+    from quasar.cli import add_model_args
+
+    p = sub.add_parser(
+        "bench", help="benchmark Quasar's modes against peers (tokens/s, speedup, acceptance, bandwidth floor)",
+        description="Same prompts, greedy, batch 1, warm-up, engines interleaved per prompt, median of repeats, "
+                    "threads fixed. Writes report.md, results.json and PNG plots to --out.")
+    add_model_args(p)
+    p.add_argument("--tasks", default=",".join(TASK_NAMES),
+                   type=lambda v: _names(v, TASK_NAMES, "task", False),
+                   help=f"comma-separated tasks from the shipped data: {','.join(TASK_NAMES)} (default: all)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="JSONL prompts (prompt | messages | turns, optional category = task) instead of --tasks")
+    p.add_argument("--n", type=int, default=None,
+                   help="prompts per task (default: 5 for shipped tasks, every line of --prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default 128)")
+    p.add_argument("--modes", default=",".join(MODE_NAMES),
+                   type=lambda v: _names(v, MODE_NAMES, "mode", False),
+                   help=f"Quasar modes: {','.join(MODE_NAMES)} (default: all; ar-fp is always run as the baseline)")
+    p.add_argument("--peers", default=",".join(PEER_NAMES),
+                   type=lambda v: _names(v, PEER_NAMES, "peer", True),
+                   help=f"peers: {','.join(PEER_NAMES)}, all or none (default: all; unavailable ones are reported)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and engine; the median is kept")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run of each engine")
+    p.add_argument("--num-draft", type=int, default=5, help="draft tokens per step for n-gram modes (k)")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--bandwidth-gb", type=float, default=2.0,
+                   help="GiB read to measure memory bandwidth (keep it far above the L3 cache)")
+    p.add_argument("--out", default="bench-results", help="folder for report.md, results.json, plots")
+    p.add_argument("--json", action="store_true", help="print results JSON to stdout instead of the summary")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    p.set_defaults(func=run_bench_command)
+
+
+def run_bench_command(args) -> int:
+    from quasar.bench.report import summary_text, to_json, write_outputs
+    from quasar.bench.runner import BenchConfig, run_bench
+
+    if not args.bandwidth_gb > 0:
+        raise QuasarError(f"--bandwidth-gb must be positive, got {args.bandwidth_gb}")
+    cfg = BenchConfig(
+        model=args.model, dtype=args.dtype, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
+        n=args.n, max_new_tokens=args.max_new_tokens, modes=args.modes, peers=args.peers, repeats=args.repeats,
+        warmup=args.warmup, num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        bandwidth_bytes=int(args.bandwidth_gb * 2**30), progress=args.progress,
+        command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
+    )
+    if args.prompts:  # fail on a bad file before loading anything heavy
+        from quasar.data import load_prompt_file
+
+        load_prompt_file(args.prompts)
+    results = run_bench(cfg)
+    paths = write_outputs(results, args.out)
+    if args.json:
+        print(to_json(results))
+    else:
+        print(summary_text(results, paths))
+    return 0

@@ -1,0 +1,322 @@
+"""Engines the benchmark times: Quasar's own modes and peers, behind one small interface.
+
+Every engine takes the same prompt token ids and returns a `RunResult`. Timing follows one
+rule for all of them: the *decode* rate counts tokens produced by decoding steps and the
+time those steps took, prefill excluded.
+- Quasar: prefill reads the prompt but its last token; every new token then comes from a
+  decoding step, so decode time = `stats.decode_s`, rate tokens = new tokens.
+- Peers (transformers, llama.cpp): the prefill forward itself yields the first new token,
+  so decode time = end − arrival of the first new token, rate tokens = new tokens − 1.
+A verifier "step" is one forward after prefill (forward calls are counted), and the
+tokens a step emits feed the acceptance-length histogram.
+
+Peers:
+- `hf`, `hf-pld`: transformers `generate`, greedy, on the same model directory Quasar
+  loaded (for a GGUF source, its float conversion); `hf-pld` adds
+  `prompt_lookup_num_tokens=10`.
+- `llamacpp`, `llamacpp-pld`: llama-cpp-python on the model's own GGUF file, plain and with
+  `LlamaPromptLookupDecoding(num_pred_tokens=2)`; `llamacpp-q8`, `llamacpp-pld-q8` the same
+  on a Q8_0 copy made by llama.cpp's own quantizer (8.5 bits per weight, like W8A8).
+  llama-cpp-python is an optional extra (scripts/install_llamacpp.sh); without it these
+  peers are reported as unavailable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HF_PEERS = ("hf", "hf-pld")
+LLAMACPP_PEERS = ("llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8")
+PEERS = HF_PEERS + LLAMACPP_PEERS
+HF_PLD_TOKENS = 10
+LLAMACPP_PLD_TOKENS = 2
+LLAMA_FTYPE_MOSTLY_Q8_0 = 7  # llama.h enum llama_ftype
+
+
+class Unavailable(Exception):
+    """An engine that cannot run here; the message says why (shown in the report)."""
+
+
+@dataclass
+class RunResult:
+    token_ids: list[int]  # generated tokens, EOS excluded
+    new_tokens: int  # len(token_ids)
+    rate_tokens: int  # tokens produced by the timed decoding steps (see module doc)
+    step_tokens: int  # tokens emitted by the counted steps (EOS included): acceptance numerator
+    steps: int  # forwards after prefill
+    prefill_s: float
+    decode_s: float
+    wall_s: float
+    hist: Counter = field(default_factory=Counter)  # tokens emitted per step -> steps
+
+
+class Engine:
+    name: str = ""
+    kind: str = "peer"  # "mode" (Quasar) or "peer"
+    description: str = ""
+    bytes_per_step: int | None = None
+    weights: str = ""  # what weights it reads, for the report
+
+    def prepare(self) -> None:
+        """Load what is needed; raise Unavailable (or QuasarError) if it cannot run."""
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
+        raise NotImplementedError
+
+    def info(self) -> dict:
+        return {"kind": self.kind, "description": self.description, "weights": self.weights,
+                "bytes_per_step": self.bytes_per_step}
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def hf_weight_bytes(model) -> int:
+    """Bytes one forward reads: all parameters but the embedding table (one row of it is
+    read), a tied lm_head counted once."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # dedups tied
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    if out is None or out.weight.data_ptr() != emb.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+class _Clock:
+    """A transformers streamer that timestamps each put: the first is the prompt, each
+    later one the tokens a step emitted."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.sizes: list[int] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+        self.sizes.append(int(value.numel()))
+
+    def end(self):
+        pass
+
+
+class _HFShared:
+    """One transformers model shared by `hf` and `hf-pld`."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, eos_ids: set[int]):
+        self.model_dir, self.dtype, self.eos_ids = model_dir, dtype, sorted(eos_ids)
+        self.model = None
+        self.calls = 0
+
+    def load(self):
+        if self.model is None:
+            try:
+                from transformers import AutoModelForCausalLM
+            except ImportError as e:
+                raise Unavailable(f"transformers not importable ({e})") from None
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # keep stderr to the bench's own progress bar
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype)
+            except Exception as e:  # a model layout transformers does not know
+                raise Unavailable(f"transformers cannot load {self.model_dir} ({type(e).__name__}: {e})") from None
+            finally:
+                hf_logging.enable_progress_bar()
+            model.eval()
+            model.register_forward_pre_hook(self._count)
+            self.model = model
+        return self.model
+
+    def _count(self, module, args):
+        self.calls += 1
+
+
+class HFPeer(Engine):
+    def __init__(self, name: str, shared: _HFShared):
+        self.name, self.shared = name, shared
+        self.pld = name == "hf-pld"
+        self.description = ("transformers generate, greedy"
+                            + (f", prompt_lookup_num_tokens={HF_PLD_TOKENS}" if self.pld else ""))
+        self.weights = f"{shared.model_dir} ({str(shared.dtype).removeprefix('torch.')})"
+
+    def prepare(self) -> None:
+        model = self.shared.load()
+        self.bytes_per_step = hf_weight_bytes(model)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
+        from transformers import GenerationConfig
+
+        model, eos = self.shared.model, self.shared.eos_ids
+        extra = {"prompt_lookup_num_tokens": HF_PLD_TOKENS} if self.pld else {}
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                               eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        clock = _Clock()
+        self.shared.calls = 0
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, streamer=clock)
+            t_end = time.perf_counter()
+        new = out[0, len(prompt_ids):].tolist()
+        emitted = len(new)
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new, emitted = new[:i], i + 1
+                break
+        # clock.times[0] is the prompt; [1] the first new token (from the prefill forward)
+        t_first = clock.times[1] if len(clock.times) > 1 else t_end
+        steps = max(self.shared.calls - 1, 0)
+        return RunResult(token_ids=new, new_tokens=len(new), rate_tokens=max(len(new) - 1, 0),
+                         step_tokens=max(emitted - 1, 0), steps=steps, prefill_s=t_first - t0,
+                         decode_s=t_end - t_first, wall_s=t_end - t0, hist=Counter(clock.sizes[2:]))
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+
+def _import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise Unavailable(f"llama-cpp-python (module llama_cpp) is not installed ({e}); "
+                          "build it with scripts/install_llamacpp.sh") from None
+    return llama_cpp
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """Bytes of tensors read per forward: all but `token_embd` when `output` is separate."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def q8_0_copy(src: Path, threads: int) -> Path:
+    """A Q8_0 copy of `src` made by llama.cpp's quantizer, cached beside the GGUF conversion."""
+    from quasar.models.gguf import cache_dir_for, cache_root
+
+    llama_cpp = _import_llama_cpp()
+    out = cache_root() / "llamacpp" / f"{cache_dir_for(src).name}.Q8_0.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_Q8_0", LLAMA_FTYPE_MOSTLY_Q8_0)
+    params.allow_requantize = True  # the source may itself be quantized (Q4_1 for default)
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise Unavailable(f"llama.cpp could not quantize {src} to Q8_0 (return code {rc})")
+    os.replace(tmp, out)
+    return out
+
+
+class LlamaCppPeer(Engine):
+    def __init__(self, name: str, gguf_path: Path | None, threads: int, n_ctx: int, eos_ids: set[int],
+                 why_no_gguf: str = ""):
+        self.name, self.src, self.threads, self.n_ctx = name, gguf_path, threads, n_ctx
+        self.eos_ids, self.why_no_gguf = set(eos_ids), why_no_gguf
+        self.pld = "-pld" in name
+        self.q8 = name.endswith("-q8")
+        self.description = ("llama-cpp-python, greedy"
+                            + (f", LlamaPromptLookupDecoding(num_pred_tokens={LLAMACPP_PLD_TOKENS})" if self.pld else "")
+                            + (", Q8_0 copy made by llama.cpp's quantizer" if self.q8 else ", the model's own GGUF"))
+        self.llm = None
+        self.calls = 0
+
+    def prepare(self) -> None:
+        llama_cpp = _import_llama_cpp()
+        if self.src is None:
+            raise Unavailable(self.why_no_gguf or "no GGUF file for this model")
+        path = q8_0_copy(self.src, self.threads) if self.q8 else self.src
+        self.weights = str(path)
+        self.bytes_per_step = gguf_weight_bytes(path)
+        kwargs = {}
+        if self.pld:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_PLD_TOKENS)
+        try:
+            llm = llama_cpp.Llama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.threads,
+                                  n_threads_batch=self.threads, verbose=False, **kwargs)
+        except Exception as e:
+            raise Unavailable(f"llama.cpp cannot load {path} ({type(e).__name__}: {e})") from None
+        self.attach(llm)
+
+    def attach(self, llm) -> None:
+        """Use `llm` (a llama_cpp.Llama), counting its forwards: generate() calls
+        self.eval once per forward (the prompt, then each step's tokens)."""
+        try:
+            self.eos_ids.add(int(llm.token_eos()))
+        except Exception:
+            pass
+        inner = llm.eval
+
+        def counted_eval(tokens):
+            self.calls += 1
+            return inner(tokens)
+
+        llm.eval = counted_eval
+        self.llm = llm
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
+        llm = self.llm
+        llm.reset()  # no reuse of the previous run's KV cache for a shared prefix
+        self.calls = 0
+        out: list[int] = []
+        hist: Counter = Counter()
+        step_calls, in_step, emitted = 1, 0, 0
+        t0 = time.perf_counter()
+        t_first = None
+        gen = llm.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0,
+                           repeat_penalty=1.0, reset=True)
+        try:
+            for tok in gen:
+                now_calls = self.calls
+                if t_first is None:
+                    t_first = time.perf_counter()
+                elif now_calls != step_calls:  # a new forward produced this token
+                    if in_step:
+                        hist[in_step] += 1
+                    step_calls, in_step = now_calls, 0
+                if emitted > 0:
+                    in_step += 1
+                emitted += 1
+                if tok in self.eos_ids:
+                    break
+                out.append(int(tok))
+                if len(out) >= max_new_tokens:
+                    break
+        finally:
+            gen.close()
+        t_end = time.perf_counter()
+        if in_step:
+            hist[in_step] += 1
+        t_first = t_first or t_end
+        return RunResult(token_ids=out, new_tokens=len(out), rate_tokens=max(len(out) - 1, 0),
+                         step_tokens=max(emitted - 1, 0), steps=max(self.calls - 1, 0),
+                         prefill_s=t_first - t0, decode_s=t_end - t_first, wall_s=t_end - t0, hist=hist)
+
+
+def make_peers(names: list[str], *, model_dir: Path, dtype: torch.dtype, gguf_path: Path | None,
+               why_no_gguf: str, threads: int, n_ctx: int, eos_ids: set[int]) -> list[Engine]:
+    """Engines for the requested peer names (not yet prepared)."""
+    shared = _HFShared(model_dir, dtype, eos_ids)
+    engines: list[Engine] = []
+    for name in names:
+        if name in HF_PEERS:
+            engines.append(HFPeer(name, shared))
+        else:
+            engines.append(LlamaCppPeer(name, gguf_path, threads, n_ctx, eos_ids, why_no_gguf))
+    return engines

@@ -1,0 +1,269 @@
+"""Write a benchmark's results: results.json (atomically), report.md, PNG plots.
+
+The report's tables are formatted from the same numbers as the JSON, so "speedup" is the
+ratio of the tokens/s column to ar-fp's, up to rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from quasar.errors import QuasarError
+
+RESULTS_JSON = "results.json"
+REPORT_MD = "report.md"
+SPEEDUP_PNG = "speedup.png"
+ACCEPTANCE_PNG = "acceptance.png"
+
+COLUMNS = ("engine", "tokens/s", "speedup vs ar-fp", "acceptance length", "step ms", "MB/step", "floor ms",
+           "floor achieved", "e2e tokens/s", "same output as ar-fp")
+
+COLUMN_HELP = [
+    ("tokens/s", "decode rate: new tokens ÷ decode time, prefill excluded; sums over the prompts of the "
+                 "median of repeats (peers: tokens after the first ÷ time after the first)"),
+    ("speedup vs ar-fp", "tokens/s ÷ tokens/s of ar-fp (Quasar, autoregressive, float) on the same prompts"),
+    ("acceptance length", "tokens emitted per verifier step (L); 1.00 for autoregressive decoding"),
+    ("step ms", "decode time ÷ verifier steps (one forward each)"),
+    ("MB/step", "bytes of weights one forward reads (embedding table excluded, tied lm_head once), 10^6 bytes"),
+    ("floor ms", "MB/step ÷ measured memory read bandwidth: the fastest a step can be"),
+    ("floor achieved", "floor ms ÷ step ms (100% = weights streamed at full memory speed, nothing else)"),
+    ("e2e tokens/s", "new tokens ÷ wall time including prefill"),
+    ("same output as ar-fp", "fraction of prompts whose greedy tokens equal ar-fp's"),
+]
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def to_json(results: dict) -> str:
+    return json.dumps(_clean(results), indent=2, ensure_ascii=False)
+
+
+def _clean(obj):
+    """Round floats for readability; NaN/inf become null so the file is strict JSON."""
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            return None
+        return round(obj, 6)
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write via a temporary file in the same folder and rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8") if isinstance(text, str) else text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
+    """results.json, the plots and report.md in `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QuasarError(f"cannot create output folder {out}: {e.strerror}") from None
+    if not out.is_dir():
+        raise QuasarError(f"{out} is not a folder")
+    paths = {"results": out / RESULTS_JSON, "report": out / REPORT_MD}
+    write_atomic(paths["results"], to_json(results) + "\n")
+    plots, why = make_plots(results, out)
+    paths.update(plots)
+    write_atomic(paths["report"], render_report(results, plots, why))
+    return paths
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _f(v, fmt: str = "{:.2f}", none: str = "–") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _row(name: str, m: dict) -> list[str]:
+    mb = None if m.get("bytes_per_step") is None else m["bytes_per_step"] / 1e6
+    return [
+        name,
+        _f(m["tokens_per_s"]),
+        _f(m.get("speedup_vs_ar_fp"), "{:.2f}x"),
+        _f(m.get("mean_accepted")),
+        _f(m.get("step_ms")),
+        _f(mb, "{:.1f}"),
+        _f(m.get("floor_ms")),
+        _f(None if m.get("floor_fraction") is None else 100 * m["floor_fraction"], "{:.0f}%"),
+        _f(m.get("e2e_tokens_per_s")),
+        _f(None if m.get("same_output_as_ar_fp") is None else 100 * m["same_output_as_ar_fp"], "{:.0f}%"),
+    ]
+
+
+def _table(header, rows) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def engine_table(section: dict) -> list[str]:
+    """Markdown table of modes then peers (`section` has "modes" and "peers")."""
+    rows = [_row(name, m) for name, m in section["modes"].items()]
+    rows += [_row(name, m) for name, m in section["peers"].items()]
+    return _table(COLUMNS, rows)
+
+
+def render_report(results: dict, plots: dict[str, Path] | None = None, plots_note: str = "") -> str:
+    cfg, env, band = results["config"], results["environment"], results["bandwidth"]
+    L = ["# Quasar benchmark", ""]
+    L.append(f"Run {results['started']} → {results['finished']} ({results['duration_s']:.0f} s).  ")
+    if results.get("command"):
+        L.append(f"Command: `{results['command']}`")
+    L += ["", "## Setup", ""]
+    L.append(f"- Model: `{cfg['model']}` (weights from `{cfg['model_dir']}`, {cfg['dtype']})"
+             + (f"; GGUF `{cfg['gguf']}`" if cfg.get("gguf") else ""))
+    L.append(f"- Prompts: {cfg['prompts']} over tasks {', '.join(cfg['tasks'])}"
+             + (f" from `{cfg['prompts_file']}`" if cfg.get("prompts_file") else "")
+             + f"; up to {cfg['max_new_tokens']} new tokens, greedy, batch 1")
+    L.append(f"- Protocol: one process, warm-up {'on' if cfg['warmup'] else 'off'}, engines interleaved per prompt, "
+             f"median of {cfg['repeats']} repeats, {cfg['threads']} torch threads")
+    L.append(f"- Drafts: k={cfg['num_draft']}, n-gram {cfg['ngram_min']}..{cfg['ngram_max']}")
+    L.append(f"- Memory read bandwidth: **{band['gb_per_s']:.2f} GB/s** ({band['method']}; "
+             f"{band['bytes'] / 2**30:.1f} GiB buffer; start/end "
+             + ", ".join(f"{x:.2f}" for x in band.get("per_measurement_gb_per_s", [band["gb_per_s"]])) + " GB/s)")
+    L.append(f"- Environment: {env['cpu']}, {env['cpu_count']} cores; Python {env['python']}, torch {env['torch']}, "
+             f"transformers {env.get('transformers') or 'absent'}, llama-cpp-python "
+             f"{env.get('llama_cpp_python') or 'absent'}; quasar {env['quasar']}"
+             + (f" ({env['git_commit']})" if env.get("git_commit") else ""))
+    L += ["", "## Overall", ""]
+    L += engine_table(results)
+    L += ["", "## Targets", ""]
+    trows = []
+    for t in results.get("targets", []):
+        met = {True: "yes", False: "no", None: "not measured"}[t["met"]]
+        trows.append([t["name"], t["target"], _f(t["value"]), met])
+    L += _table(("target", "wanted", "measured", "met"), trows)
+    if plots:
+        L += ["", "## Plots", ""]
+        if "speedup" in plots:
+            L.append(f"![speedup per task]({plots['speedup'].name})")
+        if "acceptance" in plots:
+            L.append(f"![acceptance length distribution]({plots['acceptance'].name})")
+    elif plots_note:
+        L += ["", f"Plots not written: {plots_note}."]
+    for task, section in results["tasks"].items():
+        L += ["", f"## Task: {task} ({section['prompts']} prompts)", ""]
+        L += engine_table(section)
+    if results.get("unavailable"):
+        L += ["", "## Not measured", ""]
+        L += [f"- `{name}`: {why}" for name, why in results["unavailable"].items()]
+    L += ["", "## Engines", ""]
+    for name, info in results["engines"].items():
+        L.append(f"- `{name}` ({info['kind']}): {info['description']}; weights {info.get('weights') or '?'}")
+    L += ["", "## Per prompt (tokens/s)", ""]
+    names = list(results["engines"])
+    prow = []
+    for p in results["prompts"]:
+        cells = []
+        for n in names:
+            r = p["engines"][n]
+            cells.append(_f(r["rate_tokens"] / r["decode_s"] if r["decode_s"] > 0 else None))
+        prow.append([p["task"], str(p["id"]), str(p["prompt_tokens"]), *cells])
+    L += _table(("task", "prompt", "prompt tokens", *names), prow)
+    if results.get("warnings"):
+        L += ["", "## Warnings", ""]
+        L += [f"- {w}" for w in results["warnings"]]
+    L += ["", "## Columns", ""]
+    L += [f"- **{name}**: {text}" for name, text in COLUMN_HELP]
+    L.append("")
+    return "\n".join(L)
+
+
+def summary_text(results: dict, paths: dict[str, Path] | None = None) -> str:
+    """What `quasar bench` prints without --json: the overall table and where files went."""
+    lines = [f"memory read bandwidth {results['bandwidth']['gb_per_s']:.2f} GB/s, "
+             f"{results['config']['threads']} threads, {results['config']['prompts']} prompts, "
+             f"median of {results['config']['repeats']}", ""]
+    lines += engine_table(results)
+    for name, why in results.get("unavailable", {}).items():
+        lines.append(f"{name}: {why}")
+    if paths:
+        lines.append("")
+        lines += [f"{k}: {v}" for k, v in paths.items()]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def make_plots(results: dict, out: Path) -> tuple[dict[str, Path], str]:
+    """speedup.png and acceptance.png; ({}, reason) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}, "matplotlib is not installed (pip install matplotlib)"
+    paths = {}
+    groups = [*results["tasks"], "overall"]
+    sections = [*results["tasks"].values(), results]
+    engines = [n for n in [*results["modes"], *results["peers"]] if n != "ar-fp"]
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2.0 + 0.25 * len(groups) * max(1, len(engines)))), 4.5))
+    width = 0.8 / max(1, len(engines))
+    for i, name in enumerate(engines):
+        vals = []
+        for s in sections:
+            row = s["modes"].get(name) or s["peers"].get(name) or {}
+            vals.append(row.get("speedup_vs_ar_fp") or 0.0)
+        xs = [g + (i - (len(engines) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, vals, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="ar-fp")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("speedup vs ar-fp (decode tokens/s)")
+    ax.set_title("Speedup per task")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    paths["speedup"] = out / SPEEDUP_PNG
+    _save(fig, paths["speedup"])
+    plt.close(fig)
+
+    hists = {n: m["accepted_hist"] for n, m in [*results["modes"].items(), *results["peers"].items()]
+             if m.get("accepted_hist")}
+    if hists:
+        kmax = max(int(k) for h in hists.values() for k in h)
+        fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2.0 + 0.15 * kmax * len(hists))), 4.5))
+        width = 0.8 / len(hists)
+        for i, (name, h) in enumerate(hists.items()):
+            total = sum(h.values())
+            vals = [h.get(str(k), 0) / total for k in range(1, kmax + 1)]
+            xs = [k + (i - (len(hists) - 1) / 2) * width for k in range(1, kmax + 1)]
+            L = results["modes"].get(name, results["peers"].get(name, {})).get("mean_accepted")
+            ax.bar(xs, vals, width, label=f"{name} (L={L:.2f})" if L is not None else name)
+        ax.set_xticks(range(1, kmax + 1))
+        ax.set_xlabel("tokens emitted per verifier step")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title("Acceptance length distribution (all prompts)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths["acceptance"] = out / ACCEPTANCE_PNG
+        _save(fig, paths["acceptance"])
+        plt.close(fig)
+    return paths, ""
+
+
+def _save(fig, path: Path) -> None:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    write_atomic(path, buf.getvalue())

@@ -1,0 +1,446 @@
+"""The benchmark protocol (DESIGN.md, "Benchmark protocol").
+
+One process: load the model once, fix torch's threads (recorded), measure memory read
+bandwidth, warm every engine up (this also builds verifiers, e.g. quantizes w8a8), then for
+each prompt run every engine `repeats` times interleaved — A B C A B C … — so drift of the
+machine hits all engines alike; the median of the repeats is kept per prompt and engine.
+Bandwidth is measured again at the end; the figure used is the median of all samples.
+
+Metrics of an engine over a set of prompts (a task, or all of them):
+- tokens_per_s: decode rate = Σ rate tokens ÷ Σ median decode time (prefill excluded; see
+  `peers` for how each engine's decode time is taken); e2e_tokens_per_s = Σ new tokens ÷
+  Σ median wall time (prefill included).
+- speedup_vs_ar_fp: tokens_per_s ÷ ar-fp's tokens_per_s over the same prompts.
+- mean_accepted (acceptance length L): tokens emitted per verifier step, from the
+  per-step histogram (EOS counted as emitted): exactly 1.0 for autoregressive decoding.
+- step_ms: Σ decode time ÷ Σ steps. bytes_per_step: weights read by one forward.
+  floor_ms = bytes_per_step ÷ bandwidth; floor_fraction = floor_ms ÷ step_ms (1.0 would
+  be reading weights at full memory speed and doing nothing else); step_over_floor is
+  its inverse. KV cache and activation traffic are not in the floor.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quasar.bench import bandwidth as bw
+from quasar.bench.peers import PEERS, Engine, RunResult, Unavailable, make_peers
+from quasar.errors import QuasarError
+
+SCHEMA_VERSION = 1
+BASELINE = "ar-fp"
+# mode -> (drafter, verifier)
+MODES: dict[str, tuple[str, str]] = {
+    "ar-fp": ("none", "fp"),
+    "ar-w8a8": ("none", "w8a8"),
+    "ngram-fp": ("ngram", "fp"),
+    "quasar": ("ngram", "w8a8"),
+    "ngram-pruned": ("ngram", "pruned:0.5"),
+}
+DEFAULT_N = 5
+DEFAULT_REPEATS = 3
+DEFAULT_MAX_NEW_TOKENS = 128
+WARMUP_TOKENS = 16
+CUSTOM_TASK = "custom"
+
+
+@dataclass
+class BenchConfig:
+    model: str = "default"
+    dtype: str = "fp32"
+    threads: int | None = None
+    tasks: list[str] = field(default_factory=lambda: ["code", "summarization", "qa", "math", "chat"])
+    prompts_file: str | None = None
+    n: int | None = None  # prompts per task (default DEFAULT_N for shipped tasks, all of a file)
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    peers: list[str] = field(default_factory=lambda: list(PEERS))
+    repeats: int = DEFAULT_REPEATS
+    warmup: bool = True
+    num_draft: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 3
+    bandwidth_bytes: int = bw.DEFAULT_BYTES
+    bandwidth_repeats: int = bw.DEFAULT_REPEATS
+    progress: bool = True
+    command: str = ""
+
+    def validate(self) -> "BenchConfig":
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise QuasarError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise QuasarError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)} (or none/all)")
+        if BASELINE not in self.modes:  # every speedup is relative to it
+            self.modes = [BASELINE, *self.modes]
+        self.modes = list(dict.fromkeys(self.modes))
+        self.peers = list(dict.fromkeys(self.peers))
+        for name, value, low in (("--repeats", self.repeats, 1), ("--max-new-tokens", self.max_new_tokens, 1),
+                                 ("--n", self.n if self.n is not None else 1, 1),
+                                 ("--threads", self.threads if self.threads is not None else 1, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise QuasarError(f"{name} must be an integer >= {low}, got {value!r}")
+        return self
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@dataclass
+class BenchPrompt:
+    task: str
+    id: str
+    ids: list[int]
+    chat: bool
+
+
+def load_prompts(cfg: BenchConfig, llm) -> tuple[list[BenchPrompt], list[str]]:
+    """Prompts as token ids. Chat items go through the model's chat template; raw text items
+    are fed as-is for the code task (completion of a function) and as one user turn otherwise."""
+    from quasar import data
+
+    warnings: list[str] = []
+    if cfg.prompts_file:
+        items = data.load_prompt_file(cfg.prompts_file)
+        per_task: dict[str, int] = {}
+        chosen = []
+        for i, item in enumerate(items):
+            task = item.category or CUSTOM_TASK
+            if cfg.n is not None and per_task.get(task, 0) >= cfg.n:
+                continue
+            per_task[task] = per_task.get(task, 0) + 1
+            chosen.append((task, item.id or f"{Path(cfg.prompts_file).name}:{i + 1}", item))
+    else:
+        bad = [t for t in cfg.tasks if t not in data.TASKS]
+        if bad:
+            raise QuasarError(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(data.TASKS)}")
+        chosen = []
+        for task in cfg.tasks:
+            for j, item in enumerate(data.task_prompts(task, cfg.n or DEFAULT_N)):
+                chosen.append((task, item.id or f"{task}-{j}", item))
+    prompts = []
+    for task, pid, item in chosen:
+        if item.is_chat:
+            ids = llm.encode(item.messages)
+        else:
+            ids = llm.encode(item.text, raw=(task == "code"))
+        if not ids:
+            warnings.append(f"prompt {pid} ({task}) encodes to no tokens; skipped")
+            continue
+        if len(ids) + cfg.max_new_tokens + 1 > llm.max_context:
+            warnings.append(f"prompt {pid} ({task}) has {len(ids)} tokens; with {cfg.max_new_tokens} new tokens "
+                            f"it exceeds the {llm.max_context}-token context; skipped")
+            continue
+        prompts.append(BenchPrompt(task, pid, ids, item.is_chat))
+    if not prompts:
+        raise QuasarError("no prompt fits the model's context; " + "; ".join(warnings[-1:]))
+    return prompts, warnings
+
+
+# --------------------------------------------------------------------------- Quasar modes
+
+
+class QuasarMode(Engine):
+    kind = "mode"
+
+    def __init__(self, name: str, llm, cfg: BenchConfig):
+        self.name, self.llm, self.cfg = name, llm, cfg
+        self.drafter, self.verifier = MODES[name]
+        draft = (f"n-gram drafts (k={cfg.num_draft}, n={cfg.ngram_min}..{cfg.ngram_max})"
+                 if self.drafter == "ngram" else "autoregressive")
+        self.description = f"Quasar: {draft}, verifier {self.verifier}"
+
+    def prepare(self) -> None:
+        try:  # builds the verifier once (w8a8: quantizes); "not available yet" is reported
+            model = self.llm.verifier_model(self.verifier)
+        except QuasarError as e:
+            raise Unavailable(str(e)) from None
+        from quasar.spec.verifiers import model_bytes
+
+        self.bytes_per_step = model_bytes(model)
+        self.weights = f"{self.llm.loaded.model_dir} ({self.verifier}, {self.llm.dtype})"
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
+        res = self.llm.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0,
+                                drafter=self.drafter, verifier=self.verifier, num_draft=self.cfg.num_draft,
+                                ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max)
+        s = res.stats
+        hist = Counter({int(k): int(v) for k, v in s["accepted_hist"].items()})
+        return RunResult(token_ids=list(res.token_ids), new_tokens=s["new_tokens"], rate_tokens=s["new_tokens"],
+                         step_tokens=sum(k * v for k, v in hist.items()), steps=s["steps"],
+                         prefill_s=s["prefill_s"], decode_s=s["decode_s"], wall_s=s["wall_s"], hist=hist)
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(module: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(threads: int) -> dict:
+    from quasar import __version__
+
+    return {
+        "quasar": __version__,
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": threads,
+        "transformers": _version("transformers"),
+        "llama_cpp_python": _version("llama-cpp-python") or _version("llama_cpp_python"),
+    }
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def _median_run(runs: list[RunResult]) -> dict:
+    """One record per prompt and engine: median times over repeats, counts of the first."""
+    first = runs[0]
+    return {
+        "new_tokens": first.new_tokens,
+        "rate_tokens": first.rate_tokens,
+        "step_tokens": first.step_tokens,
+        "steps": first.steps,
+        "decode_s": statistics.median(r.decode_s for r in runs),
+        "wall_s": statistics.median(r.wall_s for r in runs),
+        "prefill_s": statistics.median(r.prefill_s for r in runs),
+        "decode_s_samples": [round(r.decode_s, 5) for r in runs],
+        "hist": {str(k): v for k, v in sorted(first.hist.items())},
+        "deterministic": all(r.token_ids == first.token_ids for r in runs),
+        "token_ids": first.token_ids,
+    }
+
+
+def aggregate(records: list[dict], bytes_per_step: int | None, bandwidth_gbps: float) -> dict:
+    """Metrics of one engine over the given per-prompt records (see module doc)."""
+    rate = sum(r["rate_tokens"] for r in records)
+    new = sum(r["new_tokens"] for r in records)
+    decode = sum(r["decode_s"] for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    steps = sum(r["steps"] for r in records)
+    step_tokens = sum(r["step_tokens"] for r in records)
+    hist: Counter = Counter()
+    for r in records:
+        hist.update({int(k): v for k, v in r["hist"].items()})
+    step_s = decode / steps if steps else None
+    floor_s = bytes_per_step / (bandwidth_gbps * 1e9) if bytes_per_step and bandwidth_gbps else None
+    same = [r["same_as_ar_fp"] for r in records if r.get("same_as_ar_fp") is not None]
+    return {
+        "tokens_per_s": rate / decode if decode > 0 else 0.0,
+        "e2e_tokens_per_s": new / wall if wall > 0 else 0.0,
+        "mean_accepted": step_tokens / steps if steps else None,
+        "step_ms": step_s * 1e3 if step_s else None,
+        "bytes_per_step": bytes_per_step,
+        "floor_ms": floor_s * 1e3 if floor_s else None,
+        "floor_fraction": floor_s / step_s if floor_s and step_s else None,
+        "step_over_floor": step_s / floor_s if floor_s and step_s else None,
+        "new_tokens": new,
+        "rate_tokens": rate,
+        "decode_s": decode,
+        "wall_s": wall,
+        "steps": steps,
+        "accepted_hist": {str(k): v for k, v in sorted(hist.items())},
+        "prompts": len(records),
+        "same_output_as_ar_fp": sum(same) / len(same) if same else None,
+        "deterministic": all(r["deterministic"] for r in records),
+    }
+
+
+def _summaries(per_prompt: list[dict], engines: list[Engine], bandwidth_gbps: float) -> dict:
+    """{"modes": {...}, "peers": {...}} for a set of prompts, speedups filled in."""
+    out: dict = {"modes": {}, "peers": {}}
+    for e in engines:
+        recs = [p["engines"][e.name] for p in per_prompt]
+        out["modes" if e.kind == "mode" else "peers"][e.name] = aggregate(recs, e.bytes_per_step, bandwidth_gbps)
+    base = out["modes"][BASELINE]["tokens_per_s"]
+    for group in ("modes", "peers"):
+        for row in out[group].values():
+            row["speedup_vs_ar_fp"] = row["tokens_per_s"] / base if base > 0 else None
+    return out
+
+
+def targets(overall: dict) -> list[dict]:
+    """The issue's targets, evaluated on the overall numbers (None where not measured)."""
+    modes, peers = overall["modes"], overall["peers"]
+    q = modes.get("quasar", {}).get("tokens_per_s")
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    rows = [{"name": "quasar tokens/s ÷ hf tokens/s", "target": ">= 4", "threshold": 4.0, "higher_is_better": True,
+             "value": ratio(q, peers.get("hf", {}).get("tokens_per_s"))}]
+    best = [peers[p]["tokens_per_s"] for p in ("llamacpp", "llamacpp-pld") if p in peers]
+    rows.append({"name": "quasar tokens/s ÷ best of llamacpp, llamacpp-pld (model's own file)", "target": ">= 2",
+                 "threshold": 2.0, "higher_is_better": True, "value": ratio(q, max(best) if best else None)})
+    rows.append({"name": "quasar verifier step ÷ bandwidth floor", "target": "<= 2", "threshold": 2.0,
+                 "higher_is_better": False, "value": modes.get("quasar", {}).get("step_over_floor")})
+    for r in rows:
+        v = r["value"]
+        r["met"] = None if v is None else (v >= r["threshold"] if r["higher_is_better"] else v <= r["threshold"])
+    return rows
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not enabled, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+
+
+def _gguf_source(cfg: BenchConfig) -> tuple[Path | None, str]:
+    if cfg.model == "default":
+        from quasar.data import default_model_path
+
+        return default_model_path(), ""
+    path = Path(cfg.model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path, ""
+    return None, "the model is a Hugging Face directory, not a GGUF file"
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the whole protocol; returns the results dict (the content of results.json)."""
+    from quasar.api import LLM
+
+    cfg.validate()
+    started = _dt.datetime.now(_dt.timezone.utc)
+    threads = cfg.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    llm = LLM(cfg.model, dtype=cfg.dtype, threads=threads)
+    prompts, warnings = load_prompts(cfg, llm)
+
+    bandwidths = [bw.measure_read_bandwidth(cfg.bandwidth_bytes, cfg.bandwidth_repeats, threads)]
+
+    gguf_path, why_no_gguf = _gguf_source(cfg)
+    n_ctx = max(len(p.ids) for p in prompts) + cfg.max_new_tokens + 64
+    candidates: list[Engine] = [QuasarMode(m, llm, cfg) for m in cfg.modes]
+    candidates += make_peers(cfg.peers, model_dir=llm.loaded.model_dir, dtype=llm.model.model.norm.weight.dtype,
+                             gguf_path=gguf_path, why_no_gguf=why_no_gguf, threads=threads, n_ctx=n_ctx,
+                             eos_ids=set(llm.tokenizer.eos_ids))
+    engines, unavailable = [], {}
+    warm_prompt = min(prompts, key=lambda p: len(p.ids))
+    warm_tokens = min(cfg.max_new_tokens, WARMUP_TOKENS)
+    n_runs = len(candidates) * (1 if cfg.warmup else 0) + len(prompts) * cfg.repeats * len(candidates)
+    with _progress(n_runs, cfg.progress) as bar:
+        for e in candidates:  # prepare and warm up; an engine that cannot run is reported, not fatal
+            bar.set_postfix_str(f"warm-up {e.name}")
+            try:
+                e.prepare()
+                if cfg.warmup:
+                    e.run(warm_prompt.ids, warm_tokens)
+            except Unavailable as exc:
+                if e.name == BASELINE:
+                    raise QuasarError(f"baseline {BASELINE} cannot run: {exc}") from None
+                unavailable[e.name] = f"unavailable: {exc}"
+                bar.total -= len(prompts) * cfg.repeats
+                bar.refresh()
+            else:
+                engines.append(e)
+            if cfg.warmup:
+                bar.update(1)
+
+        per_prompt = []
+        for p in prompts:
+            runs: dict[str, list[RunResult]] = {e.name: [] for e in engines}
+            for _ in range(cfg.repeats):
+                for e in engines:  # interleaved: A B C A B C …
+                    bar.set_postfix_str(f"{p.task} {p.id} {e.name}")
+                    gc.collect()
+                    runs[e.name].append(e.run(p.ids, cfg.max_new_tokens))
+                    bar.update(1)
+            recs = {name: _median_run(rs) for name, rs in runs.items()}
+            base_ids = recs[BASELINE]["token_ids"]
+            for name, rec in recs.items():
+                rec["same_as_ar_fp"] = rec["token_ids"] == base_ids
+                if not rec["deterministic"]:
+                    warnings.append(f"{name} gave different tokens across repeats on prompt {p.id}")
+            per_prompt.append({"task": p.task, "id": p.id, "prompt_tokens": len(p.ids), "chat": p.chat,
+                               "engines": recs})
+
+    bandwidths.append(bw.measure_read_bandwidth(cfg.bandwidth_bytes, cfg.bandwidth_repeats, threads))
+    band = bw.combine(bandwidths)
+    gbps = band["gb_per_s"]
+
+    task_order = list(dict.fromkeys(p.task for p in prompts))
+    tasks = {}
+    for t in task_order:
+        subset = [p for p in per_prompt if p["task"] == t]
+        tasks[t] = {"prompts": len(subset), **_summaries(subset, engines, gbps)}
+    overall = _summaries(per_prompt, engines, gbps)
+    for p in per_prompt:  # keep results.json readable: token ids only as a count
+        for rec in p["engines"].values():
+            rec.pop("token_ids")
+    finished = _dt.datetime.now(_dt.timezone.utc)
+    return {
+        "schema": SCHEMA_VERSION,
+        "started": started.isoformat(timespec="seconds"),
+        "finished": finished.isoformat(timespec="seconds"),
+        "duration_s": round((finished - started).total_seconds(), 1),
+        "command": cfg.command,
+        "config": {
+            "model": cfg.model, "model_dir": str(llm.loaded.model_dir), "gguf": str(gguf_path) if gguf_path else None,
+            "dtype": cfg.dtype, "threads": threads, "tasks": task_order, "prompts_file": cfg.prompts_file,
+            "n": cfg.n, "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
+            "warmup": cfg.warmup, "modes": cfg.modes, "peers": cfg.peers, "num_draft": cfg.num_draft,
+            "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "greedy": True, "batch": 1,
+        },
+        "environment": environment(threads),
+        "bandwidth": band,
+        "engines": {e.name: e.info() for e in engines},
+        "unavailable": unavailable,
+        "modes": overall["modes"],
+        "peers": overall["peers"],
+        "tasks": tasks,
+        "targets": targets(overall),
+        "prompts": per_prompt,
+        "warnings": warnings,
+    }

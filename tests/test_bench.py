@@ -1,0 +1,235 @@
+"""`quasar bench` on a tiny model: runs end to end, JSON and report agree, bad inputs fail
+clearly. One torch thread and a small bandwidth buffer keep it quick on a busy 2-core box."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from quasar.cli import main
+
+FAST = ["--threads", "1", "--max-new-tokens", "8", "--bandwidth-gb", "0.0625", "--no-progress"]
+
+
+def _w8a8_available() -> bool:
+    try:
+        importlib.import_module("quasar.quant.verifier")
+    except ImportError:
+        return False
+    return True
+
+
+def _run_json(capsys, argv: list[str]) -> dict:
+    assert main(["bench", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def _report_rows(md: str, heading: str) -> dict[str, dict[str, str]]:
+    """The engine table under `## heading` as {engine: {column: cell}}."""
+    section = md.split(f"## {heading}", 1)[1].splitlines()
+    start = next(i for i, ln in enumerate(section) if ln.startswith("|"))
+    lines = []
+    for ln in section[start:]:  # the first table only
+        if not ln.startswith("|"):
+            break
+        lines.append(ln)
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(header, cells))
+    return rows
+
+
+def _check_consistent(section: dict, rows: dict[str, dict[str, str]]) -> None:
+    base = section["modes"]["ar-fp"]["tokens_per_s"]
+    for group in ("modes", "peers"):
+        for name, m in section[group].items():
+            # JSON: the speedup is exactly the ratio of tokens/s
+            assert m["speedup_vs_ar_fp"] == pytest.approx(m["tokens_per_s"] / base, rel=1e-4)
+            # report: the speedup column is the ratio of the tokens/s column, up to rounding
+            row = rows[name]
+            tps, base_tps = float(row["tokens/s"]), float(rows["ar-fp"]["tokens/s"])
+            shown = float(row["speedup vs ar-fp"].rstrip("x"))
+            assert shown == pytest.approx(tps / base_tps, rel=0.01, abs=0.011)
+            assert float(row["acceptance length"]) == pytest.approx(m["mean_accepted"], abs=0.006)
+
+
+def test_bench_end_to_end(tiny_model, tmp_path, capsys):
+    model = tiny_model("llama")
+    out = tmp_path / "out"
+    res = _run_json(capsys, ["--model", str(model), "--tasks", "code,chat", "--n", "1", "--repeats", "2",
+                             "--modes", "ar-fp,ngram-fp,ngram-pruned", "--peers", "hf,hf-pld,llamacpp",
+                             "--out", str(out), *FAST])
+    # --json prints what results.json holds
+    assert json.loads((out / "results.json").read_text()) == res
+    assert set(res["modes"]) == {"ar-fp", "ngram-fp", "ngram-pruned"}
+    for name, m in res["modes"].items():
+        assert m["tokens_per_s"] > 0 and m["new_tokens"] > 0 and m["prompts"] == 2
+        assert m["step_ms"] > 0 and m["bytes_per_step"] > 0 and 0 < m["floor_fraction"]
+    assert res["modes"]["ar-fp"]["speedup_vs_ar_fp"] == 1.0
+    assert res["modes"]["ar-fp"]["mean_accepted"] == 1.0  # exactly: one token per step
+    assert set(res["modes"]["ar-fp"]["accepted_hist"]) == {"1"}
+    assert res["modes"]["ngram-fp"]["mean_accepted"] >= 1.0
+    # peer hf ran on the same model and prompt ids
+    hf = res["peers"]["hf"]
+    assert hf["tokens_per_s"] > 0 and hf["mean_accepted"] == 1.0 and hf["bytes_per_step"] > 0
+    assert res["peers"]["hf-pld"]["mean_accepted"] >= 1.0
+    # llama.cpp cannot run on a Hugging Face directory (or is not installed): reported, skipped
+    assert res["unavailable"]["llamacpp"].startswith("unavailable: ")
+    assert "llamacpp" not in res["peers"]
+    # per task, same keys
+    assert set(res["tasks"]) == {"code", "chat"}
+    for task in res["tasks"].values():
+        assert task["modes"]["ar-fp"]["mean_accepted"] == 1.0
+        assert {"tokens_per_s", "mean_accepted", "speedup_vs_ar_fp"} <= set(task["modes"]["ngram-fp"])
+    # protocol is recorded
+    assert res["config"]["threads"] == 1 and res["config"]["repeats"] == 2
+    assert res["bandwidth"]["gb_per_s"] > 0 and len(res["bandwidth"]["samples_gb_per_s"]) >= 2
+    assert all(len(p["engines"]["ar-fp"]["decode_s_samples"]) == 2 for p in res["prompts"])
+
+    md = (out / "report.md").read_text()
+    _check_consistent(res, _report_rows(md, "Overall"))
+    for task, section in res["tasks"].items():
+        _check_consistent(section, _report_rows(md, f"Task: {task}"))
+    assert _report_rows(md, "Overall")["ar-fp"]["acceptance length"] == "1.00"
+    assert "llamacpp" in md.split("## Not measured", 1)[1]
+    if importlib.util.find_spec("matplotlib"):
+        for png in ("speedup.png", "acceptance.png"):
+            assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert f"]({png})" in md
+
+
+def test_bench_prompt_file_categories(tiny_model, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(o) for o in [
+        {"prompt": "def add(a, b):\n    ", "category": "code"},
+        {"messages": [{"role": "user", "content": "Say hello."}], "category": "greet"},
+        {"turns": ["Count to three.", "Now to four."]},
+    ]) + "\n")
+    res = _run_json(capsys, ["--model", str(tiny_model("qwen2")), "--prompts", str(prompts), "--repeats", "1",
+                             "--modes", "ngram-fp", "--peers", "none", "--out", str(tmp_path / "o"), *FAST])
+    assert set(res["tasks"]) == {"code", "greet", "custom"}
+    assert set(res["modes"]) == {"ar-fp", "ngram-fp"}  # the baseline is always run
+    assert res["peers"] == {}
+
+
+@pytest.mark.skipif(not _w8a8_available(), reason="w8a8 verifier (quasar.quant.verifier) not built yet")
+def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
+    res = _run_json(capsys, ["--model", str(tiny_model("llama")), "--tasks", "code", "--n", "1", "--repeats", "1",
+                             "--modes", "ar-fp,ar-w8a8,quasar", "--peers", "none", "--out", str(tmp_path / "o"), *FAST])
+    assert res["unavailable"] == {}
+    assert res["modes"]["ar-w8a8"]["mean_accepted"] == 1.0
+    assert res["modes"]["quasar"]["mean_accepted"] >= 1.0
+    # int8 weights: fewer bytes per step than the float model
+    assert res["modes"]["ar-w8a8"]["bytes_per_step"] < res["modes"]["ar-fp"]["bytes_per_step"]
+    base = res["modes"]["ar-fp"]["tokens_per_s"]
+    assert res["modes"]["quasar"]["speedup_vs_ar_fp"] == pytest.approx(res["modes"]["quasar"]["tokens_per_s"] / base,
+                                                                       rel=1e-4)
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, r"file not found"),
+    ("", r"file is empty"),
+    ('{"prompt": "ok"}\n{"prompt": "oops"\n', r"p\.jsonl:2: invalid JSON"),
+    ('{"prompt": "ok"}\n\n{"text": "no prompt key"}\n', r"p\.jsonl:3: need exactly one of 'prompt', 'messages', 'turns'"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}\n', r"p\.jsonl:1: messages\[0\]\.role"),
+])
+def test_bad_prompt_files(tmp_path, capsys, content, match):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    # fails before any model is loaded: the model path does not even exist
+    assert main(["bench", "--model", str(tmp_path / "no-model"), "--prompts", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and re.search(match, err), err
+
+
+def test_bad_mode_and_peer_names(capsys):
+    for argv in (["--modes", "turbo"], ["--peers", "vllm"], ["--tasks", "poetry"]):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", *argv])
+        assert e.value.code == 2
+        assert "choose from" in capsys.readouterr().err
+
+
+def test_bandwidth_measurement():
+    from quasar.bench.bandwidth import combine, measure_read_bandwidth
+    from quasar.errors import QuasarError
+
+    m = measure_read_bandwidth(16 << 20, repeats=3, threads=1)
+    assert m["gb_per_s"] > 0 and len(m["samples_gb_per_s"]) == 3 and m["bytes"] == 16 << 20
+    both = combine([m, m])
+    assert len(both["samples_gb_per_s"]) == 6 and both["gb_per_s"] == pytest.approx(m["gb_per_s"])
+    with pytest.raises(QuasarError, match="at least 4 MiB"):
+        measure_read_bandwidth(1024)
+
+
+def test_aggregate_definitions():
+    from quasar.bench.runner import aggregate
+
+    recs = [
+        {"new_tokens": 10, "rate_tokens": 10, "step_tokens": 10, "steps": 5, "decode_s": 1.0, "wall_s": 1.5,
+         "hist": {"1": 3, "2": 1, "5": 1}, "deterministic": True, "same_as_ar_fp": True},
+        {"new_tokens": 6, "rate_tokens": 6, "step_tokens": 7, "steps": 7, "decode_s": 1.0, "wall_s": 1.0,
+         "hist": {"1": 7}, "deterministic": True, "same_as_ar_fp": False},
+    ]
+    m = aggregate(recs, bytes_per_step=10**8, bandwidth_gbps=10.0)
+    assert m["tokens_per_s"] == pytest.approx(16 / 2.0)  # total tokens / total decode time
+    assert m["e2e_tokens_per_s"] == pytest.approx(16 / 2.5)
+    assert m["mean_accepted"] == pytest.approx(17 / 12)
+    assert m["step_ms"] == pytest.approx(2000 / 12)
+    assert m["floor_ms"] == pytest.approx(10.0)
+    assert m["floor_fraction"] == pytest.approx(10.0 / (2000 / 12))
+    assert m["accepted_hist"] == {"1": 10, "2": 1, "5": 1}
+    assert m["same_output_as_ar_fp"] == 0.5
+
+
+class _FakeLlama:
+    """Mimics llama_cpp.Llama.generate: eval the prompt, then per step eval the last token
+    plus drafts and yield the accepted ones; the script says how many per step."""
+
+    def __init__(self, per_step: list[int], eos: int = 2):
+        self.per_step, self.eos, self.evals = per_step, eos, []
+
+    def token_eos(self):
+        return self.eos
+
+    def reset(self):
+        pass
+
+    def eval(self, tokens):
+        self.evals.append(list(tokens))
+
+    def generate(self, tokens, **kw):
+        self.eval(tokens)
+        tok = 100
+        yield tok  # from the prompt forward
+        for n in self.per_step:
+            self.eval([tok])
+            for _ in range(n):
+                tok += 1
+                yield tok
+
+
+def test_llamacpp_peer_counts_steps_without_llama_cpp():
+    from quasar.bench.peers import LlamaCppPeer
+
+    peer = LlamaCppPeer("llamacpp-pld", None, threads=1, n_ctx=64, eos_ids={2})
+    fake = _FakeLlama([1, 3, 2, 1, 3])
+    peer.attach(fake)
+    r = peer.run([1, 5, 6], max_new_tokens=6)  # stops at the 6th token: steps emit 1, 3, 1
+    assert r.token_ids == [100, 101, 102, 103, 104, 105] and r.new_tokens == 6
+    assert r.steps == 3 and r.step_tokens == 5 and r.rate_tokens == 5
+    assert dict(r.hist) == {1: 2, 3: 1}
+    assert r.decode_s >= 0 and r.wall_s >= r.decode_s
+    # EOS ends the run: counted as emitted by its step, not output
+    peer2 = LlamaCppPeer("llamacpp", None, threads=1, n_ctx=64, eos_ids={103})
+    peer2.attach(_FakeLlama([1, 1, 1, 1]))
+    r = peer2.run([1], max_new_tokens=50)
+    assert r.token_ids == [100, 101, 102] and r.steps == 3 and r.step_tokens == 3 and dict(r.hist) == {1: 3}
