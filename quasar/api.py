@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quasar.defaults import DEFAULT_CONTEXT, DEFAULT_DRAFTER, DEFAULT_VERIFIER
 from quasar.errors import QuasarError
 from quasar.models.loader import LoadedModel, load_model
 from quasar.models.llama import Transformer
@@ -20,9 +21,6 @@ from quasar.spec.generate import Chunk, DecodeOptions, Result, decode
 from quasar.spec.sampling import SamplingParams
 from quasar.spec.verifiers import build_verifier, parse_verifier
 
-DEFAULT_CONTEXT = 8192
-DEFAULT_DRAFTER = "none"
-DEFAULT_VERIFIER = "fp"
 
 
 @dataclass

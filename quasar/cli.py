@@ -31,7 +31,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    from quasar.api import DEFAULT_DRAFTER, DEFAULT_VERIFIER
+    from quasar.defaults import DEFAULT_DRAFTER, DEFAULT_VERIFIER
 
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram")
     p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | pruned:F")

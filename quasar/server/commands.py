@@ -1,0 +1,110 @@
+"""`quasar serve`: an OpenAI-compatible HTTP server with a playground at `/`.
+
+Only argparse-level work happens at import time; FastAPI, uvicorn and the model are
+imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from quasar.errors import QuasarError
+
+
+def register(sub) -> None:
+    from quasar.cli import add_decoding_args, add_model_args
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (with a playground)",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
+                                   "and a playground page at /. Requests are decoded one at a time from a "
+                                   "bounded queue; the speculative flags below are the per-request defaults "
+                                   "(a request may override drafter, verifier and num_draft).")
+    add_model_args(p)
+    add_decoding_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUASAR_API_KEY if set)")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests allowed to wait for the engine; more are answered 429 at once")
+    p.add_argument("--max-context", type=int, default=None, help="context length in tokens (default: 8192 "
+                                                                   "or the model's, whichever is smaller)")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="completion length when a request sets no max_tokens (capped by the context)")
+    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        raise QuasarError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise QuasarError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.default_max_tokens < 1:
+        raise QuasarError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    if args.max_context is not None and args.max_context < 2:
+        raise QuasarError(f"--max-context must be at least 2, got {args.max_context}")
+    if not 0 <= args.num_draft <= 64:
+        raise QuasarError(f"--num-draft must be in 0..64, got {args.num_draft}")
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        raise QuasarError(f"need 1 <= --ngram-min <= --ngram-max, got {args.ngram_min}, {args.ngram_max}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before the (slow) model load when the address cannot be bound."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise QuasarError(f"cannot resolve --host {host!r}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise QuasarError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _check_args(args)
+    _check_port(args.host, args.port)
+    try:
+        import uvicorn  # noqa: F401
+
+        from quasar.server.app import create_app
+    except ModuleNotFoundError as e:
+        raise QuasarError(f"'quasar serve' needs {e.name}: pip install fastapi uvicorn") from None
+    from quasar.api import DEFAULT_CONTEXT, LLM
+
+    api_key = args.api_key or os.environ.get("QUASAR_API_KEY") or None
+    if not _is_loopback(args.host) and api_key is None:
+        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it",
+              file=sys.stderr)
+    llm = LLM(args.model, dtype=args.dtype, drafter=args.drafter, verifier=args.verifier,
+              max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads)
+    app = create_app(llm, api_key=api_key, max_queue=args.max_queue, model_name=args.served_model_name,
+                     num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                     adaptive=args.adaptive, default_max_tokens=args.default_max_tokens)
+    url_host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"quasar: serving {app.state.model_name} ({args.drafter}+{args.verifier}, k={args.num_draft}) at "
+          f"http://{url_host}:{args.port}/  (playground at /, API at /v1)", file=sys.stderr)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0

@@ -1,0 +1,213 @@
+"""The engine: a bounded queue in front of one worker thread that owns the LLM.
+
+An `LLM` decodes one request at a time, so the server never runs two generations at once:
+requests wait in a FIFO queue of at most `max_queue` entries (beyond the one being
+decoded) and a request that finds it full is refused at once (`QueueFull`, HTTP 429).
+
+Each job reports back through `on_event(kind, payload)`, called from the worker thread:
+`("chunk", Chunk)` per verifier step, then exactly one of `("result", Result)`,
+`("error", Exception)` or `("cancelled", None)`. A job's `cancel` event is checked between
+verifier steps (and before a queued job starts), so a client that goes away stops its
+generation within one step. Any failure is confined to its own job: the worker catches
+everything, reports it, and goes on with the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from quasar.errors import QuasarError
+from quasar.server.metrics import ServerMetrics
+from quasar.spec.generate import Chunk, Result
+
+log = logging.getLogger("quasar.server")
+
+EventSink = Callable[[str, Any], None]
+
+
+class QueueFull(Exception):
+    """The engine's queue holds `max_queue` waiting requests already."""
+
+
+class EngineClosed(Exception):
+    """The engine is shutting down and takes no more requests."""
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    options: dict  # keyword arguments for LLM.stream (besides prompt_ids)
+    on_event: EventSink
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    cancel: threading.Event = field(default_factory=threading.Event)
+    created: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    outcome: str | None = None  # "result" | "error" | "cancelled"
+    steps_seen: int = 0
+    tokens_seen: int = 0
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started or time.perf_counter()) - self.created
+
+
+class Engine:
+    def __init__(self, llm, max_queue: int = 32, metrics: ServerMetrics | None = None):
+        if max_queue < 1:
+            raise QuasarError(f"max_queue must be at least 1, got {max_queue}")
+        self.llm, self.max_queue = llm, max_queue
+        self.metrics = metrics or ServerMetrics()
+        self._cond = threading.Condition()
+        self._pending: deque[Job] = deque()
+        self._paused = False
+        self._closed = False
+        self.current: Job | None = None
+        self.completed = 0
+        self._thread = threading.Thread(target=self._loop, name="quasar-engine", daemon=True)
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> "Engine":
+        if not self._thread.is_alive():
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new work, cancel what is queued and running, and wait for the worker."""
+        with self._cond:
+            self._closed = True
+            pending, self._pending = list(self._pending), deque()
+            if self.current is not None:
+                self.current.cancel.set()
+            self._cond.notify_all()
+        self.metrics.queue_depth.set(0)
+        for job in pending:
+            self._emit(job, "error", EngineClosed("the server is shutting down"))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def pause(self) -> None:
+        """Stop starting new jobs (the running one finishes); queued jobs wait. For maintenance and tests."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    def submit(self, job: Job) -> Job:
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self._pending.append(job)
+            self.metrics.queue_depth.set(len(self._pending))
+            self._cond.notify_all()
+        return job
+
+    # ------------------------------------------------------------------ worker
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (self._paused or not self._pending):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._pending.popleft()
+                self.metrics.queue_depth.set(len(self._pending))
+                self.current = job
+            try:
+                self._run(job)
+            except BaseException:  # never let the worker die; the job has been told already
+                log.exception("engine: unexpected failure around job %s", job.id)
+            finally:
+                with self._cond:
+                    self.current = None
+                    self.completed += 1
+
+    def _emit(self, job: Job, kind: str, payload: Any) -> None:
+        if kind in ("result", "error", "cancelled"):
+            job.outcome, job.finished = kind, time.perf_counter()
+        try:
+            job.on_event(kind, payload)
+        except Exception:  # a broken sink (e.g. the event loop has gone) must not stop the engine
+            log.exception("engine: delivering %s for job %s failed", kind, job.id)
+
+    def _run(self, job: Job) -> None:
+        m = self.metrics
+        job.started = time.perf_counter()
+        m.queue_wait.observe(job.started - job.created)
+        if job.cancel.is_set():  # the client left while the job was queued
+            m.cancelled.inc()
+            self._emit(job, "cancelled", None)
+            return
+        drafter = job.options.get("drafter") or self.llm.drafter
+        verifier = job.options.get("verifier") or self.llm.verifier
+        labels = {"drafter": drafter, "verifier": verifier}
+        m.running.set(1)
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        stream = None
+        try:
+            stream = self.llm.stream(prompt_ids=job.prompt_ids, **job.options)
+            for item in stream:
+                if isinstance(item, Result):
+                    self._record_result(item, labels)
+                    self._emit(job, "result", item)
+                    return
+                assert isinstance(item, Chunk)
+                job.steps_seen += 1
+                job.tokens_seen += len(item.token_ids)
+                if job.first_token is None and item.token_ids:
+                    job.first_token = time.perf_counter()
+                    m.ttft.observe(job.first_token - job.created)
+                self._emit(job, "chunk", item)
+                if job.cancel.is_set():
+                    stream.close()  # releases the LLM's lock
+                    m.cancelled.inc()
+                    m.steps.inc(job.steps_seen, **labels)
+                    m.completion_tokens.inc(job.tokens_seen)
+                    self._emit(job, "cancelled", None)
+                    return
+            raise RuntimeError("the decoder ended without a result")
+        except QuasarError as e:
+            m.engine_errors.inc(kind="invalid_request")
+            self._emit(job, "error", e)
+        except Exception as e:
+            log.exception("engine: job %s failed", job.id)
+            m.engine_errors.inc(kind="internal")
+            self._emit(job, "error", e)
+        finally:
+            if stream is not None:
+                stream.close()
+            m.running.set(0)
+
+    def _record_result(self, result: Result, labels: dict) -> None:
+        m, s = self.metrics, result.stats
+        m.completion_tokens.inc(s.new_tokens)
+        m.steps.inc(s.steps, **labels)
+        m.drafted.inc(s.drafted, **labels)
+        m.accepted.inc(s.accepted, **labels)
+        for emitted, n in s.accepted_hist.items():
+            m.acceptance.observe(int(emitted), count=n, **labels)
+        if s.new_tokens:
+            m.tokens_per_s.observe(s.tokens_per_s)

@@ -1,0 +1,359 @@
+"""OpenAI request validation and response shapes, without pydantic models.
+
+Requests are checked by hand so every error names the offending field (`param`) the way
+OpenAI does, and comes back as `{"error": {"message", "type", "param", "code"}}` with
+status 400. Unknown fields are ignored (clients send many); known fields of the wrong
+type, and features this server does not implement (n > 1, logprobs, tools, ...), are
+rejected rather than silently dropped. Quasar's own fields (`drafter`, `verifier`,
+`num_draft`, `ngram_min`, `ngram_max`, `adaptive`, `top_k`) are accepted as extras.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP = 16
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 ApiError."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"We could not parse the JSON body of your request ({e}). The body must be "
+                            "a JSON object, sent with Content-Type: application/json.",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"The request body must be a JSON object, got {_type_name(body)}.",
+                       code="invalid_json")
+    return body
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+def _invalid_type(name: str, expected: str, value: Any) -> ApiError:
+    return ApiError(400, f"Invalid type for '{name}': expected {expected}, but got {_type_name(value)} instead.",
+                    param=name, code="invalid_type")
+
+
+def _invalid_value(name: str, message: str) -> ApiError:
+    return ApiError(400, f"Invalid value for '{name}': {message}", param=name, code="invalid_value")
+
+
+class _Fields:
+    """Typed access to a JSON object's fields; null counts as absent."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def has(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def string(self, name: str, default: str | None = None, required: bool = False) -> str | None:
+        v = self.body.get(name)
+        if v is None:
+            if required:
+                raise ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
+            return default
+        if not isinstance(v, str):
+            raise _invalid_type(name, "a string", v)
+        return v
+
+    def boolean(self, name: str, default: bool | None = None) -> bool | None:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise _invalid_type(name, "a boolean", v)
+        return v
+
+    def integer(self, name: str, default: int | None = None, lo: int | None = None,
+                hi: int | None = None) -> int | None:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _invalid_type(name, "an integer", v)
+        if lo is not None and v < lo:
+            raise _invalid_value(name, f"{v} is less than the minimum of {lo}.")
+        if hi is not None and v > hi:
+            raise _invalid_value(name, f"{v} is greater than the maximum of {hi}.")
+        return v
+
+    def number(self, name: str, default: float | None = None, lo: float | None = None,
+               hi: float | None = None) -> float | None:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _invalid_type(name, "a number", v)
+        v = float(v)
+        if not math.isfinite(v):
+            raise _invalid_value(name, "must be a finite number.")
+        if lo is not None and v < lo:
+            raise _invalid_value(name, f"{v:g} is less than the minimum of {lo:g}.")
+        if hi is not None and v > hi:
+            raise _invalid_value(name, f"{v:g} is greater than the maximum of {hi:g}.")
+        return v
+
+    def unsupported(self, name: str, ok) -> None:
+        """Reject `name` unless it is absent or `ok(value)` holds (the feature is not implemented)."""
+        v = self.body.get(name)
+        if v is not None and not ok(v):
+            raise ApiError(400, f"'{name}' = {json.dumps(v)[:80]} is not supported by this server.", param=name,
+                           code="unsupported_parameter")
+
+
+@dataclass
+class GenRequest:
+    """A validated chat or completion request, in Quasar's terms."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    # Quasar extras; None = the server's default
+    drafter: str | None = None
+    verifier: str | None = None
+    num_draft: int | None = None
+    ngram_min: int | None = None
+    ngram_max: int | None = None
+    adaptive: bool | None = None
+
+
+def _common(f: _Fields, req: GenRequest) -> GenRequest:
+    req.temperature = f.number("temperature", 1.0, 0.0, 2.0)
+    req.top_p = f.number("top_p", 1.0, 0.0, 1.0)
+    if req.top_p <= 0:
+        raise _invalid_value("top_p", "must be greater than 0.")
+    req.top_k = f.integer("top_k", 0, 0)
+    req.seed = f.integer("seed")
+    stop = f.body.get("stop")
+    if isinstance(stop, str):
+        req.stop = [stop]
+    elif isinstance(stop, list):
+        if not all(isinstance(s, str) for s in stop):
+            raise _invalid_type("stop", "a string or an array of strings", stop)
+        if len(stop) > MAX_STOP:
+            raise _invalid_value("stop", f"at most {MAX_STOP} stop sequences are allowed.")
+        req.stop = list(stop)
+    elif stop is not None:
+        raise _invalid_type("stop", "a string or an array of strings", stop)
+    if any(s == "" for s in req.stop):
+        raise _invalid_value("stop", "stop sequences must not be empty.")
+    req.stream = f.boolean("stream", False)
+    opts = f.body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _invalid_type("stream_options", "an object", opts)
+        if not req.stream:
+            raise _invalid_value("stream_options", "only allowed when 'stream' is true.")
+        include = opts.get("include_usage")
+        if include is not None and not isinstance(include, bool):
+            raise _invalid_type("stream_options.include_usage", "a boolean", include)
+        req.include_usage = bool(include)
+    f.integer("n", 1, 1)
+    f.unsupported("n", lambda v: v == 1)
+    f.unsupported("best_of", lambda v: v == 1)
+    for name in ("presence_penalty", "frequency_penalty"):
+        f.number(name, 0.0, -2.0, 2.0)
+        f.unsupported(name, lambda v: v == 0)
+    f.unsupported("logit_bias", lambda v: v == {})
+    f.string("user")
+    # Quasar's extras
+    req.drafter = f.string("drafter")
+    req.verifier = f.string("verifier")
+    req.num_draft = f.integer("num_draft", None, 0, 64)
+    req.ngram_min = f.integer("ngram_min", None, 1, 64)
+    req.ngram_max = f.integer("ngram_max", None, 1, 64)
+    req.adaptive = f.boolean("adaptive")
+    return req
+
+
+def _message_content(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text is understood
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content[{j}]: only text parts ({{\"type\": \"text\", "
+                                    "\"text\": ...}) are supported.", param=f"messages[{i}].content",
+                               code="invalid_value")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _invalid_type(f"messages[{i}].content", "a string or an array of text parts", content)
+
+
+def parse_chat(body: dict) -> GenRequest:
+    f = _Fields(body)
+    req = GenRequest("chat", f.string("model"))
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "Missing required parameter: 'messages'.", param="messages",
+                       code="missing_required_parameter")
+    if not isinstance(messages, list):
+        raise _invalid_type("messages", "an array", messages)
+    if not messages:
+        raise _invalid_value("messages", "expected an array with at least one message.")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _invalid_type(f"messages[{i}]", "an object", m)
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _invalid_type(f"messages[{i}].role", "a string", role)
+        if role not in CHAT_ROLES:
+            raise _invalid_value(f"messages[{i}].role", f"{role!r} is not one of {sorted(CHAT_ROLES)}.")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        out.append({"role": "system" if role == "developer" else role, "content": _message_content(i, content)})
+    req.messages = out
+    req.max_tokens = f.integer("max_completion_tokens", None, 1)
+    if req.max_tokens is None:
+        req.max_tokens = f.integer("max_tokens", None, 1)
+    f.unsupported("logprobs", lambda v: v is False)
+    f.unsupported("top_logprobs", lambda v: v == 0)
+    f.unsupported("tools", lambda v: v == [])
+    f.unsupported("functions", lambda v: v == [])
+    f.unsupported("tool_choice", lambda v: v == "none")
+    f.unsupported("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
+    return _common(f, req)
+
+
+def parse_completion(body: dict, vocab_size: int) -> GenRequest:
+    f = _Fields(body)
+    req = GenRequest("completion", f.string("model"))
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "Missing required parameter: 'prompt'.", param="prompt",
+                       code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _invalid_value("prompt", "the prompt must not be empty.")
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise _invalid_value("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}).")
+        req.prompt_ids = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "Only one prompt per request is supported; send the prompts as separate requests.",
+                       param="prompt", code="unsupported_parameter")
+    else:
+        raise _invalid_type("prompt", "a string, an array of token ids, or an array with one of those", prompt)
+    req.max_tokens = f.integer("max_tokens", None, 1)
+    f.unsupported("echo", lambda v: v is False)
+    f.unsupported("logprobs", lambda v: v == 0)
+    f.unsupported("suffix", lambda v: v == "")
+    return _common(f, req)
+
+
+# --------------------------------------------------------------------------- responses
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(req: GenRequest, rid: str, created: int, model: str, text: str, finish_reason: str,
+                        use: dict, quasar: dict) -> dict:
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": "quasar",
+            "choices": [choice], "usage": use, "quasar": quasar}
+
+
+def stream_chunk(req: GenRequest, rid: str, created: int, model: str, *, text: str | None = None,
+                 role: bool = False, finish_reason: str | None = None, quasar: dict | None = None,
+                 use: dict | None = None, no_choices: bool = False) -> dict:
+    if req.kind == "chat":
+        delta: dict = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": "quasar",
+             "choices": [] if no_choices else [choice]}
+    if use is not None:
+        chunk["usage"] = use
+    if quasar is not None:
+        chunk["quasar"] = quasar
+    return chunk
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
