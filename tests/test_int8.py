@@ -216,3 +216,215 @@ def test_user_errors_raise_quasar_error() -> None:
         with pytest.raises(QuasarError):
             set_backend(layer, "cuda")
     assert set_backend(nn.Sequential(layer, nn.ReLU(), _layer(8, 4)[1]), "auto") == 2
+
+
+# ---------------------------------------------------------------- C++ fast path (ext)
+def _toolchain() -> bool:
+    import os
+    import shutil
+
+    return os.name == "posix" and shutil.which(os.environ.get("CXX", "c++")) is not None and (
+        shutil.which("ninja") is not None or _pip_ninja()
+    )
+
+
+def _pip_ninja() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture
+def ext_op():
+    """The C++ op; it must build wherever a toolchain exists (else the test is skipped)."""
+    from quasar.quant import ext
+
+    if ext.disabled():
+        pytest.skip(f"{ext.ENV_DISABLE} is set")
+    op = ext.int8_linear_op()
+    if op is None:
+        if _toolchain():
+            pytest.fail(f"C++ extension failed although a toolchain exists: {ext.info()}")
+        pytest.skip("no C++ toolchain")
+    return op
+
+
+def _without_ext(layer: Int8Linear, monkeypatch: pytest.MonkeyPatch) -> Int8Linear:
+    """A copy of ``layer`` packed with QUASAR_NO_EXT=1 (the pure-PyTorch cpu path)."""
+    twin = Int8Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                      backend=layer.backend)
+    twin.load_state_dict(layer.state_dict())
+    with monkeypatch.context() as m:
+        m.setenv("QUASAR_NO_EXT", "1")
+        assert twin.repack()[5] is None
+    return twin
+
+
+def _hard_rows(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows across 8 decades plus zero, tiny (clamped-scale) and ±127-boundary rows."""
+    x = torch.randn(m, k) * torch.logspace(-4, 4, m)[:, None]
+    if m >= 4:
+        x[1] = 0
+        x[2] = 1e-20 if dtype == torch.float32 else 0
+        x[3, ::2] = 127.5 / 127  # halves: round-half-even matters
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("k,n", [(2, 3), (64, 48), (131, 37), (576, 192), (577, 193), (1536, 576)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_ext_is_bitwise_equal_to_pytorch_path(ext_op, monkeypatch, k: int, n: int, bias: bool) -> None:
+    _, layer = _layer(k, n, bias=bias)
+    assert layer.repack()[5] is not None  # the fast path is in use
+    plain = _without_ext(layer, monkeypatch)
+    ref = Int8Linear.from_float(nn.Linear(k, n, bias=bias), backend="reference")
+    ref.load_state_dict(layer.state_dict())
+    for m in (1, 2, 5, 6, 17):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _hard_rows(m, k, dtype)
+            y = layer(x)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert torch.equal(y, plain(x)), (m, dtype)
+            assert torch.equal(y, ref(x)), (m, dtype)
+
+
+def test_ext_rows_are_batch_independent(ext_op) -> None:
+    _, layer = _layer(576, 1536)
+    assert layer.repack()[5] is not None
+    x = torch.randn(6, 576) * torch.logspace(-2, 2, 6)[:, None]
+    y = layer(x)  # M > 1: s8 x s8
+    for i in range(6):
+        assert torch.equal(layer(x[i : i + 1]), y[i : i + 1])  # M = 1: u8 x s8 GEMV
+    assert torch.equal(layer(x.view(2, 3, 576)), y.view(2, 3, 1536))
+    assert torch.equal(layer(torch.cat([x, x], 1)[:, ::2]), layer(torch.cat([x, x], 1)[:, ::2].contiguous()))
+
+
+def test_ext_edge_cases(ext_op, monkeypatch) -> None:
+    # K == 1: torch's CPU _int_mm is broken there, so the layer keeps the reference GEMM.
+    _, k1 = _layer(1, 5)
+    assert k1.repack()[5] is None
+    x = torch.randn(3, 1)
+    assert torch.equal(k1(x), _without_ext(k1, monkeypatch)(x))
+    # The op itself, on variants the policy does not pick: K == 1, u8 x s8 for M > 1.
+    for k, m in ((1, 3), (577, 6)):
+        _, ref = _layer(k, 7, backend="reference")
+        x = torch.randn(m, k)
+        comp = ref.weight.sum(dim=1, dtype=torch.int32).mul_(128)
+        for u8 in (False, True):
+            got = ext_op(x, ref.weight, ref.weight_scale, ref.bias, comp, u8, u8)
+            assert torch.equal(got, ref(x)), (k, m, u8)
+    _, layer = _layer(64, 48)
+    plain = _without_ext(layer, monkeypatch)
+    # Non-finite inputs give the same NaN / inf pattern.
+    x = torch.randn(4, 64)
+    x[0, 3], x[1, 5], x[2, 7] = float("inf"), float("nan"), -float("inf")
+    assert torch.equal(layer(x).nan_to_num(), plain(x).nan_to_num())
+    # Grad-requiring inputs take the PyTorch path (the op has no autograd kernel).
+    xg = torch.randn(2, 64, requires_grad=True)
+    assert torch.equal(layer(xg).detach(), plain(xg.detach()))
+    # An edited weight_scale / bias is read at every call, as on the PyTorch path.
+    with torch.no_grad():
+        layer.weight_scale.mul_(2)
+        layer.bias.add_(1)
+        plain.weight_scale.mul_(2)
+        plain.bias.add_(1)
+    x = torch.randn(3, 64)
+    assert torch.equal(layer(x[:1]), plain(x[:1])) and torch.equal(layer(x), plain(x))
+
+
+def test_ext_disabled_by_env(monkeypatch) -> None:
+    from quasar.quant import ext
+
+    monkeypatch.setenv("QUASAR_NO_EXT", "1")
+    assert ext.disabled() and ext.int8_linear_op() is None
+    _, layer = _layer(577, 193)
+    assert layer.repack()[5] is None  # pure-PyTorch cpu path
+    monkeypatch.setenv("QUASAR_NO_EXT", "0")
+    assert not ext.disabled()
+
+
+def _fresh_ext(monkeypatch: pytest.MonkeyPatch, cache) -> object:
+    """ext with no load attempted yet, caching under ``cache``, library not registered."""
+    from quasar.quant import ext
+
+    monkeypatch.setenv("QUASAR_CACHE", str(cache))
+    monkeypatch.delenv("QUASAR_NO_EXT", raising=False)
+    monkeypatch.setattr(ext, "_info", {})
+    monkeypatch.setattr(ext, "_op", None)
+    monkeypatch.setattr(ext, "_registered", lambda: False)
+    return ext
+
+
+def test_ext_falls_back_without_compiler(monkeypatch, tmp_path) -> None:
+    ext = _fresh_ext(monkeypatch, tmp_path)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert ext.int8_linear_op() is None
+    assert ext.info()["state"] == "failed" and "compiler" in ext.info()["error"]
+    assert not (ext.build_dir() / "FAILED").exists()  # a later toolchain is picked up
+    lin, layer = _layer(64, 48)
+    assert layer.repack()[5] is None
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert ((layer(x) - lin(x)).norm() / lin(x).norm()).item() < 0.05
+
+
+def test_ext_failed_build_is_recorded(monkeypatch, tmp_path) -> None:
+    ext = _fresh_ext(monkeypatch, tmp_path)
+    calls = []
+
+    def broken_build(build_directory, env_path) -> None:
+        calls.append(build_directory)
+        raise RuntimeError("error: something.h: No such file or directory")
+
+    monkeypatch.setattr(ext, "_toolchain_path", lambda: "")
+    monkeypatch.setattr(ext, "_build", broken_build)
+    assert ext.int8_linear_op() is None and len(calls) == 1
+    assert "No such file" in (ext.build_dir() / "FAILED").read_text()
+    assert not list(ext.build_dir().glob("build-*")) and not (ext.build_dir() / "int8_linear.so").exists()
+    monkeypatch.setattr(ext, "_info", {})  # a new process: does not try again
+    assert ext.int8_linear_op() is None and len(calls) == 1
+
+
+def test_ext_concurrent_builds_build_once(monkeypatch, tmp_path) -> None:
+    import os
+    import threading
+    import time
+
+    if os.name != "posix":
+        pytest.skip("file locks are POSIX-only")
+    ext = _fresh_ext(monkeypatch, tmp_path)
+    builds, loads = [], []
+
+    def slow_build(build_directory, env_path) -> None:
+        builds.append(build_directory)
+        (build_directory / "int8_linear.so").write_bytes(b"x" * 1000)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(ext, "_toolchain_path", lambda: "")
+    monkeypatch.setattr(ext, "_build", slow_build)
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
+    so = ext.build_dir() / "int8_linear.so"
+    states: list[str] = []
+    threads = [threading.Thread(target=lambda: states.append(ext._load_or_build(so))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and sorted(states) == ["built", "cache", "cache"]
+    assert loads == [str(so), str(so)] and so.read_bytes() == b"x" * 1000
+    assert sorted(p.name for p in so.parent.iterdir()) == ["int8_linear.so", "lock"]
+
+
+def test_ext_later_processes_load_from_cache(ext_op) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "from quasar.quant import ext; op = ext.int8_linear_op(); i = ext.info(); "
+        "print(i['state'], i['seconds'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    state, seconds = out.stdout.split()
+    assert state == "cache" and float(seconds) < 1.0, out.stdout
+    assert out.stderr == ""

@@ -10,6 +10,13 @@ loading, ``.to()``, reassigning or editing ``weight`` in place all rebuild them.
 ``repack()`` forces it; call it after editing an inference-mode tensor in place (those
 keep no version counter).
 
+On the ``cpu`` backend, forward runs one fused C++ op (``quasar.quant.ext``, built on
+first use and cached; ``QUASAR_NO_EXT=1`` or a missing compiler falls back to the
+PyTorch ops below) that gives the same bits as quantize_activation + GEMM +
+scale_output, so backends, batch sizes and the fallback all agree. Whether it is used
+is decided when the layer packs its weights. Inputs that require grad (with grad
+enabled) take the PyTorch path.
+
 Numerics (see DESIGN.md "Numerics"): the int32 product is exact and the quantizer and
 epilogue are elementwise or per-row, so a token's output is bitwise the same whether it
 is computed alone or with other tokens, and the same on every backend of one device.
@@ -103,9 +110,10 @@ class Int8Linear(nn.Module):
         self.register_buffer(
             "bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None
         )
-        # (requested backend, weight tensor, its version, mm function, packed weight);
-        # holding the tensor keeps the identity check safe from address reuse.
-        self._packed: tuple[str, Tensor, int | None, Any, Any] | None = None
+        # (requested backend, weight tensor, its version, mm function, packed weight,
+        # fused (op, extra args) or None); holding the tensor keeps the identity check
+        # safe from address reuse.
+        self._packed: tuple[str, Tensor, int | None, Any, Any, Any] | None = None
         self.register_load_state_dict_post_hook(_drop_packed)
 
     @classmethod
@@ -148,8 +156,10 @@ class Int8Linear(nn.Module):
         """Rebuild the kernel's weight layout now (otherwise done lazily on forward)."""
         name = self.resolved_backend()
         weight = self._buffers["weight"]
-        packed = get_kernel(name).pack(weight)
-        self._packed = (self.backend, weight, _version(weight), BACKENDS[name].mm, packed)
+        kernel = get_kernel(name)
+        packed = kernel.pack(weight)
+        fused = kernel.fused(packed) if kernel.fused is not None else None
+        self._packed = (self.backend, weight, _version(weight), kernel.mm, packed, fused)
         return self._packed
 
     def forward(self, x: Tensor) -> Tensor:
@@ -163,6 +173,10 @@ class Int8Linear(nn.Module):
         weight, c = buffers["weight"], self._packed
         if c is None or c[0] != self.backend or c[1] is not weight or c[2] != _version(weight):
             c = self.repack()
+        fused = c[5]
+        if fused is not None and not (x.requires_grad and torch.is_grad_enabled()):
+            # The `cpu` backend's C++ op (quasar.quant.ext): same bits, one call.
+            return fused[0](x, weight, buffers["weight_scale"], buffers["bias"], *fused[1])
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         qx, sx = quantize_activation(x2)
         y = scale_output(c[3](qx, c[4]), sx, buffers["weight_scale"], buffers["bias"], x.dtype)

@@ -10,7 +10,9 @@ CPU: oneDNN's ``torch._int_mm`` accepts any shape and is fastest with the *unsig
 operand on the left; three exact variants use that differently (s8, u8x, u8w below) and
 ``cpu`` picks per call by M (see the policy note). oneDNN without VNNI may saturate
 u8 x s8 pairs in int16, so each variant is checked once per process on extreme values
-and dropped if inexact. CUDA: cuBLASLt via ``torch._int_mm`` with padding.
+and dropped if inexact. ``cpu_fused`` hands Int8Linear the same choice as a single C++
+call (``quasar.quant.ext``) when that is available. CUDA: cuBLASLt via ``torch._int_mm``
+with padding.
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ Packed = tuple
 
 
 class Kernel(NamedTuple):
-    """A backend's weight packing and its int8 GEMM."""
+    """A backend's weight packing and its int8 GEMM, and optionally a fused whole layer.
+
+    ``fused(packed)`` returns ``(op, extra_args)`` or None; Int8Linear then computes
+    ``op(x, weight, weight_scale, bias, *extra_args)`` in place of quantize, ``mm`` and
+    ``scale_output``, and the op must give the same bits.
+    """
 
     pack: Callable[[Tensor], Packed]
     mm: Callable[[Tensor, Packed], Tensor]
+    fused: Callable[[Packed], tuple | None] | None = None
 
 
 # ---------------------------------------------------------------- reference
@@ -177,6 +185,18 @@ def cpu_mm(qx: Tensor, packed: Packed) -> Tensor:
     return reference_mm(qx, (weight,))
 
 
+def cpu_fused(packed: Packed) -> tuple | None:
+    """The C++ op of ``quasar.quant.ext`` with the same variant choice as ``cpu_mm``, or
+    None (disabled, not buildable, or K == 1 / no exact variant: ``reference``)."""
+    one, many, _, comp = packed
+    if "reference" in (one, many):
+        return None
+    from quasar.quant import ext
+
+    op = ext.int8_linear_op()
+    return None if op is None else (op, (comp, one == "u8x", many == "u8x"))
+
+
 # ---------------------------------------------------------------- cuda
 def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
@@ -211,7 +231,7 @@ def cuda_mm(qx: Tensor, packed: Packed) -> Tensor:
 
 BACKENDS: dict[str, Kernel] = {
     "reference": Kernel(reference_pack, reference_mm),
-    "cpu": Kernel(cpu_pack, cpu_mm),
+    "cpu": Kernel(cpu_pack, cpu_mm, cpu_fused),
     "cuda": Kernel(cuda_pack, cuda_mm),
 }
 

@@ -1,0 +1,236 @@
+"""The `cpu` int8 backend's fused C++ op (``csrc/int8_linear.cpp``), built lazily.
+
+For small layers the ~10 ATen ops of Int8Linear's pure-PyTorch path (quantize, GEMM,
+epilogue) cost more than the GEMM itself; the fused op does them in one call with the
+same IEEE operations in the same order, so its results are bitwise equal (checked once
+per process on load; a mismatch disables it).
+
+Build and cache: on the first call to :func:`int8_linear_op` in a process the op is loaded
+from ``cache_root()/torch_ext/int8_linear-<digest>/int8_linear.so``, where the digest covers
+the source, the compiler flags, the torch build and the Python ABI, so an upgrade builds a
+fresh copy. A cache hit only ``dlopen``s the library (no compiler, no
+``torch.utils.cpp_extension`` import). On a miss one process builds it with
+``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; output captured)
+in a private temporary directory while holding an exclusive ``flock`` on the digest
+directory's ``lock`` file, then moves the library into place with an atomic rename;
+processes that start meanwhile wait on the lock and then load the finished library. A
+killed builder releases the lock with its process and leaves no partial library behind.
+
+Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a
+compiler or ninja, on a failed build or load, or off POSIX, :func:`int8_linear_op` returns
+None and Int8Linear runs its pure-PyTorch path; the reason is logged once at debug level.
+A failed compilation is recorded in ``FAILED`` next to the lock and not retried for that
+digest (delete the directory to retry), so it costs later processes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ENV_DISABLE", "build_dir", "disabled", "info", "int8_linear_op"]
+
+log = logging.getLogger(__name__)
+
+ENV_DISABLE = "QUASAR_NO_EXT"
+NAME = "int8_linear"
+SOURCE = Path(__file__).resolve().parent / "csrc" / f"{NAME}.cpp"
+# -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
+# PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
+# and the loops it would speed up are a small part of the call.
+CFLAGS = ("-O3", "-ffp-contract=off")
+
+_lock = threading.Lock()
+_op: Callable[..., torch.Tensor] | None = None
+_info: dict[str, Any] = {}  # empty until the first load attempt
+
+
+def disabled() -> bool:
+    """True when ``QUASAR_NO_EXT`` is set to anything but "" or "0"."""
+    return os.environ.get(ENV_DISABLE, "").strip() not in ("", "0")
+
+
+def int8_linear_op() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.quasar_quant.int8_linear``, loading or building it on the first call;
+    None when disabled or unavailable (then use the pure-PyTorch path)."""
+    if disabled():
+        return None
+    if not _info:
+        _load()
+    return _op
+
+
+def info() -> dict[str, Any]:
+    """How the op was obtained: ``state`` ("cache", "built", "loaded" (already registered
+    in this process), "failed" or "not loaded"), ``path``, ``seconds``, on failure ``error``."""
+    return dict(_info) if _info else {"state": "not loaded"}
+
+
+def build_dir() -> Path:
+    """The cache directory for this source, flag set, torch build and Python ABI."""
+    from quasar.models.gguf import cache_root
+
+    return cache_root() / "torch_ext" / f"{NAME}-{_digest()}"
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(CFLAGS).encode(),
+        torch.__version__.encode(),
+        str(torch.version.git_version).encode(),
+        str(torch.compiled_with_cxx11_abi()).encode(),
+        (sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag or "").encode(),
+        sysconfig.get_platform().encode(),
+    ):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _load() -> None:
+    global _op
+    with _lock:
+        if _info:
+            return
+        start = time.perf_counter()
+        path = None
+        try:
+            path = build_dir() / f"{NAME}.so"
+            state = _load_or_build(path)
+            op = torch.ops.quasar_quant.int8_linear
+            _self_check(op)
+            _op = op
+            _info.update(state=state, path=str(path))
+        except Exception as exc:  # any failure means: use the PyTorch path
+            _op = None
+            _info.update(state="failed", path=str(path), error=f"{type(exc).__name__}: {exc}")
+            log.debug("int8 C++ extension unavailable, using the PyTorch path: %s", _info["error"])
+        _info["seconds"] = time.perf_counter() - start
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.quasar_quant.int8_linear
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _load_or_build(so: Path) -> str:
+    if _registered():  # already loaded in this process
+        return "loaded"
+    if so.is_file():
+        torch.ops.load_library(str(so))
+        return "cache"
+    if os.name != "posix":
+        raise RuntimeError("building the extension needs POSIX file locks")
+    import fcntl
+
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with open(so.parent / "lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released on close or process exit
+        if so.is_file():  # another process built it while we waited
+            torch.ops.load_library(str(so))
+            return "cache"
+        failed = so.parent / "FAILED"
+        if failed.is_file():
+            raise RuntimeError(f"an earlier build failed (see {failed}; delete it to retry)")
+        for stale in so.parent.glob("build-*"):  # left by a builder that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        env_path = _toolchain_path()
+        tmp = Path(tempfile.mkdtemp(prefix="build-", dir=so.parent))
+        try:
+            try:
+                _build(tmp, env_path)
+            except Exception as exc:
+                failed.write_text(f"{type(exc).__name__}: {exc}\n")
+                raise
+            os.replace(tmp / so.name, so)  # atomic: readers see all of it or nothing
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return "built"
+
+
+def _toolchain_path() -> str:
+    """PATH for the build; raises when there is no C++ compiler or ninja (cheap checks, so
+    a machine without a toolchain records no FAILED marker and picks one up later)."""
+    path = os.environ.get("PATH", "")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r}) on PATH")
+    if shutil.which("ninja") is None:
+        dirs = [str(Path(sys.executable).parent)]  # a venv's bin, even when not activated
+        try:
+            import ninja  # the PyPI wheel ships the binary
+
+            dirs.append(str(ninja.BIN_DIR))
+        except Exception:
+            pass
+        found = [d for d in dirs if shutil.which("ninja", path=d)]
+        if not found:
+            raise RuntimeError("ninja not found (pip install ninja)")
+        path = os.pathsep.join([found[0], path])
+    return path
+
+
+def _build(build_directory: Path, env_path: str) -> None:
+    """Compile and load the library in ``build_directory``; output is captured, not shown."""
+    from torch.utils import cpp_extension
+
+    ext_log = logging.getLogger("torch.utils.cpp_extension")
+    level, old_path = ext_log.level, os.environ.get("PATH")
+    ext_log.setLevel(logging.CRITICAL)
+    os.environ["PATH"] = env_path
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load(
+                name=NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                build_directory=str(build_directory),
+                verbose=False,
+                is_python_module=False,
+            )
+    finally:
+        ext_log.setLevel(level)
+        if old_path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old_path
+
+
+def _self_check(op: Callable[..., torch.Tensor]) -> None:
+    """The op must reproduce the PyTorch path bit for bit (e.g. no FMA contraction)."""
+    from quasar.quant.int8 import quantize_activation, scale_output
+    from quasar.quant.kernels import reference_mm
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (19, 37), generator=gen, dtype=torch.int8)
+    ws = torch.rand((19, 1), generator=gen) / 100
+    bias = torch.randn(19, generator=gen)
+    comp = w.sum(dim=1, dtype=torch.int32).mul_(128).unsqueeze(0)
+    for m in (1, 3):
+        x = torch.randn(m, 37, generator=gen) * torch.logspace(-3, 3, m)[:, None]
+        qx, sx = quantize_activation(x)
+        acc = reference_mm(qx, (w,))
+        for b in (bias, None):
+            want = scale_output(acc, sx, ws, b, torch.float32)
+            for u8 in (False, True):
+                got = op(x, w, ws, b, comp, u8, u8)
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"self-check mismatch (M={m}, bias={b is not None}, u8={u8})")
