@@ -20,6 +20,10 @@ from torch import Tensor, nn
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
 
+# Steps of up to this many tokens (decode and verifier steps, not long prefills) compute
+# attention one query at a time; see Attention.forward.
+ROW_INVARIANT_MAX_T = 16
+
 
 class KVCache(nn.Module):
     def __init__(self, n_layers: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device=None):
@@ -104,8 +108,16 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k, v = cache.update(layer, start, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        gqa = self.n_heads != self.n_kv_heads
+        if t <= ROW_INVARIANT_MAX_T:
+            # A verifier step: give each query exactly the one-token decode computation, so
+            # a token's result never depends on how many drafts are verified with it (W8A8
+            # would turn float-rounding differences into int8 rounding flips).
+            end = start + 1
+            y = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :end + i], v[:, :, :end + i],
+                                                          enable_gqa=gqa) for i in range(t)], dim=2)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -186,7 +198,7 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         mask = None
-        if t > 1:  # query i sees keys 0..start+i
+        if t > ROW_INVARIANT_MAX_T:  # query i sees keys 0..start+i
             key_pos = torch.arange(start + t, device=x.device)
             mask = key_pos[None, :] <= (start + torch.arange(t, device=x.device))[:, None]
         for i, layer in enumerate(self.model.layers):
