@@ -1,0 +1,235 @@
+"""W8A8 checkpoints: our self-contained directory and the compressed-tensors export.
+
+Both use the compressed-tensors "int-quantized" layout (DESIGN.md, "Interop"): HF module
+names, ``*.weight`` int8 [out, in], ``*.weight_scale`` float32 [out, 1], smoothing folded
+into the float norm weights, and ``quantization_config`` in config.json. Ours may keep
+``lm_head`` in int8 (then it is untied from the embeddings) and records how it was made
+under ``quantization_config.quasar``; the export always writes a float ``lm_head`` and
+lists it under ``ignore``, which is what vLLM and transformers expect.
+
+Directories are written to a temporary sibling and renamed into place, so a failure
+leaves nothing behind and readers never see half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from quasar.errors import QuasarError
+from quasar.models.llama import Transformer
+from quasar.quant.int8 import Int8Linear
+
+FORMAT_VERSION = 1
+_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+_SCHEME_DEFAULTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}  # compressed-tensors'
+# files of a model directory that are not tokenizer/generation metadata
+_NOT_COPIED = re.compile(r"(config\.json|.*\.safetensors|.*\.safetensors\.index\.json|.*\.bin|.*\.pt|.*\.pth|"
+                         r".*\.gguf|.*\.ckpt|.*\.msgpack|.*\.h5)$")
+
+
+def quantization_config(ignore: list[str], quasar: dict | None = None) -> dict:
+    """The ``quantization_config`` entry of config.json (compressed-tensors W8A8)."""
+    cfg: dict[str, Any] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "ignore": list(ignore),
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_WEIGHTS),
+                                      "input_activations": dict(_ACTIVATIONS)}},
+    }
+    if quasar is not None:
+        cfg["quasar"] = quasar
+    return cfg
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _check_scheme(group_name: str, group: dict) -> list[str]:
+    if not isinstance(group, dict):
+        raise QuasarError(f"quantization_config: config group {group_name!r} is not an object")
+    targets = group.get("targets") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    for part, want in (("weights", _WEIGHTS), ("input_activations", _ACTIVATIONS)):
+        got = group.get(part)
+        if not isinstance(got, dict):
+            raise QuasarError(f"quantization_config group {group_name!r} has no {part} scheme "
+                              "(Quasar runs W8A8: int8 weights and int8 activations)")
+        for key, value in want.items():
+            if got.get(key, _SCHEME_DEFAULTS.get(key)) != value:
+                raise QuasarError(
+                    f"quantization_config group {group_name!r}: {part}.{key}={got.get(key)!r} is not supported "
+                    f"(Quasar runs W8A8: int8 per-channel symmetric weights, dynamic per-token int8 activations)")
+    return list(targets)
+
+
+def _matches(name: str, module: nn.Module, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name or pattern == type(module).__name__ or (
+        pattern == "Linear" and isinstance(module, nn.Linear))
+
+
+def prepare_quantized_modules(model: Transformer, quant_config: dict, tensors: dict[str, Tensor]) -> int:
+    """Swap the quantized ``nn.Linear``s of a (meta-device) model for ``Int8Linear``.
+
+    Called by the HF loader before its strict state-dict load when config.json has a
+    ``quantization_config``. Zero ``*_zero_point`` tensors (symmetric schemes) are dropped
+    from ``tensors``. Returns the number of layers swapped; a scheme or file we cannot run
+    exactly is a QuasarError.
+    """
+    if not isinstance(quant_config, dict):
+        raise QuasarError("config.json: quantization_config must be an object")
+    method = quant_config.get("quant_method")
+    if method != "compressed-tensors":
+        raise QuasarError(f"unsupported quantization method {method!r} (Quasar loads compressed-tensors W8A8)")
+    fmt = quant_config.get("format")
+    if fmt != "int-quantized":
+        raise QuasarError(f"unsupported compressed-tensors format {fmt!r} (Quasar loads 'int-quantized')")
+    status = quant_config.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise QuasarError(f"unsupported quantization_status {status!r} (expected 'compressed')")
+    groups = quant_config.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise QuasarError("quantization_config has no config_groups")
+    targets = [t for name, g in groups.items() for t in _check_scheme(name, g)]
+    ignore = quant_config.get("ignore") or []
+    for key in [k for k in tensors if k.endswith("_zero_point")]:
+        if torch.count_nonzero(tensors[key]):
+            raise QuasarError(f"{key}: non-zero zero point (asymmetric quantization is not supported)")
+        del tensors[key]
+
+    modules = dict(model.named_modules())
+    swapped = 0
+    for name, module in list(modules.items()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if not any(_matches(name, module, t) for t in targets) or any(_matches(name, module, p) for p in ignore):
+            continue
+        w = tensors.get(f"{name}.weight")
+        if w is None or f"{name}.weight_scale" not in tensors:
+            raise QuasarError(f"quantized checkpoint lacks {name}.weight or {name}.weight_scale")
+        if w.dtype != torch.int8:
+            raise QuasarError(f"{name}.weight is {w.dtype}, expected int8 (compressed 'int-quantized' layout)")
+        if name == "lm_head" and model.config.tie_word_embeddings:
+            raise QuasarError("checkpoint has an int8 lm_head but ties it to the embeddings")
+        new = Int8Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        parent_name, _, child = name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, child, new)
+        swapped += 1
+    if swapped == 0:
+        raise QuasarError("quantization_config matches no linear layer of the model")
+    return swapped
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _atomic_dir(out: Path, fill: Callable[[Path], None], exist_ok: bool = False) -> Path:
+    """Run ``fill(tmp)`` on a temporary sibling of ``out`` and rename it to ``out``."""
+    out = Path(out)
+    if out.exists() and not exist_ok:
+        raise QuasarError(f"{out} already exists; choose a new output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        fill(tmp)
+        if out.exists():
+            if not exist_ok:
+                raise QuasarError(f"{out} already exists; choose a new output directory")
+            return out  # someone else finished the same cache entry first
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    if not (Path(src) / "tokenizer.json").is_file():
+        raise QuasarError(f"{src}: no tokenizer.json to copy into the checkpoint")
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and not _NOT_COPIED.fullmatch(f.name):
+            shutil.copy2(f, dst / f.name)
+
+
+def _state_tensors(model: Transformer, tied: bool, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    out = {}
+    for k, v in model.state_dict().items():
+        if tied and k == "lm_head.weight":
+            continue
+        if dtype is not None and v.is_floating_point() and not k.endswith("_scale"):
+            v = v.to(dtype)
+        out[k] = v.detach().contiguous().cpu()
+    return out
+
+
+def _write(tmp: Path, config: dict, tensors: dict[str, Tensor], tokenizer_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    _copy_tokenizer(tokenizer_dir, tmp)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+def save_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str | Path,
+                    exist_ok: bool = False) -> Path:
+    """Write a W8A8 ``model`` (from ``quantize_model``) as a self-contained directory.
+
+    ``quasar generate --model OUT`` (or ``load_model(OUT)``) loads it without recalibrating.
+    """
+    if not any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise QuasarError("save_checkpoint expects a quantized model (see quantize_model)")
+    int8_head = isinstance(model.lm_head, Int8Linear)
+    cfg = model.config if not int8_head else dataclasses.replace(model.config, tie_word_embeddings=False)
+    tied = cfg.tie_word_embeddings
+    dtype = model.model.norm.weight.dtype
+    info = dict(getattr(model, "quant_info", {}) or {})
+    info.update(version=FORMAT_VERSION, lm_head="int8" if int8_head else "float")
+    config = cfg.to_hf()
+    config["torch_dtype"] = _dtype_name(dtype)
+    config["quantization_config"] = quantization_config([] if int8_head else ["lm_head"], info)
+    tensors = _state_tensors(model, tied)
+    return _atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)), exist_ok)
+
+
+def export_compressed_tensors(model: Transformer, out: str | Path, tokenizer_dir: str | Path,
+                              dtype: torch.dtype | None = None) -> Path:
+    """Write a W8A8 ``model`` in the layout vLLM serves: ``lm_head`` float, in ``ignore``.
+
+    An int8 ``lm_head`` is written dequantized (weight-only rounding; quantize with
+    ``lm_head="float"`` to export the original weights). ``dtype`` converts the float
+    tensors (norms, embeddings, lm_head), e.g. ``torch.bfloat16`` for GPU serving.
+    """
+    if not any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise QuasarError("export expects a quantized model")
+    dtype = dtype or model.model.norm.weight.dtype
+    head = model.lm_head
+    cfg = model.config
+    tensors = _state_tensors(model, cfg.tie_word_embeddings, dtype)
+    if isinstance(head, Int8Linear):
+        for k in ("lm_head.weight", "lm_head.weight_scale"):
+            tensors.pop(k, None)
+        tensors["lm_head.weight"] = head.dequantized_weight().to(dtype).contiguous().cpu()
+        if head.bias is not None:
+            tensors["lm_head.bias"] = head.bias.to(dtype).contiguous().cpu()
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    config = cfg.to_hf()
+    config["torch_dtype"] = _dtype_name(dtype)
+    config["quantization_config"] = quantization_config(["lm_head"])
+    return _atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)))

@@ -1,0 +1,171 @@
+"""`quasar quantize` and `quasar export`: write W8A8 checkpoints.
+
+    quasar quantize --model M --out DIR [--alpha auto|FLOAT] [--calib FILE] [--samples N]
+                    [--seq-len L] [--lm-head int8|float] [--no-smooth-o-down]
+    quasar export --format compressed-tensors --model M --out DIR
+
+Only argparse at import time; torch and the quantizer are imported when a command runs.
+Every check on the arguments (output directory, calibration file, options) happens
+before the model is loaded, and the output directory appears only once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--alpha", default=None,
+                   help="smoothing strength: 'auto' (searched per layer group) or a number in [0, 1] "
+                        "(default: auto)")
+    p.add_argument("--calib", default=None,
+                   help="calibration text (.txt, or .jsonl with 'text'); default: the built-in corpus "
+                        "(exllamav2 standard_cal_data, calibration part)")
+    p.add_argument("--samples", type=_positive, default=None, help="calibration samples (default 16)")
+    p.add_argument("--seq-len", type=_positive, default=None, help="tokens per calibration sample (default 512)")
+    p.add_argument("--no-smooth-o-down", action="store_true",
+                   help="do not smooth v->o_proj and up->down_proj (only the norm-fed groups)")
+    p.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
+                   help="fold orthogonal rotations into the residual stream and the value heads before "
+                        "smoothing (exact in float; spreads outlier channels) (default: off)")
+
+
+def register(sub) -> None:
+    from quasar.cli import add_model_args
+
+    p = sub.add_parser(
+        "quantize", help="write a W8A8 (int8 weights + int8 activations) checkpoint",
+        description="Calibrate on text, fold SmoothQuant scales into the float weights, quantize every "
+                    "decoder linear to int8 and write a self-contained model directory that "
+                    "'--model DIR' loads without recalibrating.")
+    add_model_args(p)
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    _add_quant_args(p)
+    p.add_argument("--lm-head", choices=["int8", "float"], default=None,
+                   help="quantize lm_head too (int8) or keep it float (default: int8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_quantize)
+
+    e = sub.add_parser(
+        "export", help="export a W8A8 checkpoint for vLLM / transformers (compressed-tensors)",
+        description="Write the compressed-tensors 'int-quantized' layout (lm_head float, listed in "
+                    "'ignore'). --model may be a W8A8 checkpoint or a float model (quantized first, "
+                    "with the quantization options below, using the W8A8 cache).")
+    add_model_args(e)
+    e.add_argument("--format", required=True, choices=["compressed-tensors"], help="export format")
+    e.add_argument("--out", required=True, help="output directory (must not exist)")
+    _add_quant_args(e)
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.set_defaults(func=run_export)
+
+
+def _options(args, *names: str) -> dict:
+    """Quantization options the user set (the library defaults fill in the rest)."""
+    from quasar.quant.quantize import parse_alpha
+
+    opts = {}
+    if args.alpha is not None:
+        opts["alpha"] = parse_alpha(args.alpha)
+    if args.samples is not None:
+        opts["samples"] = args.samples
+    if args.seq_len is not None:
+        if args.seq_len < 2:
+            from quasar.errors import QuasarError
+
+            raise QuasarError(f"--seq-len must be >= 2, got {args.seq_len}")
+        opts["seq_len"] = args.seq_len
+    if args.no_smooth_o_down:
+        opts["smooth_o_down"] = False
+    if args.rotate is not None:
+        opts["rotate"] = args.rotate
+    if getattr(args, "lm_head", None) is not None:
+        opts["lm_head"] = args.lm_head
+    return {k: v for k, v in opts.items() if k in names}
+
+
+def _check_out(out: str) -> Path:
+    from quasar.errors import QuasarError
+
+    path = Path(out)
+    if path.exists():
+        raise QuasarError(f"{path} already exists; choose a new output directory")
+    return path
+
+
+def _size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+
+
+def run_quantize(args) -> int:
+    from quasar.errors import QuasarError
+
+    out = _check_out(args.out)
+    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "lm_head", "rotate")
+    calib_text = None
+    if args.calib is not None:
+        from quasar.data import read_text_file
+
+        calib_text = read_text_file(args.calib)  # missing / empty / not UTF-8: clear errors
+    import torch
+
+    from quasar.models.loader import load_model
+    from quasar.quant.checkpoint import save_checkpoint
+    from quasar.quant.quantize import build_w8a8, is_quantized
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, args.dtype)
+    if is_quantized(loaded.model):
+        raise QuasarError(f"{args.model} is already a W8A8 checkpoint")
+    model = build_w8a8(loaded.model, loaded.tokenizer, calib_text=calib_text, calib_source=args.calib,
+                       progress=not args.no_progress, **opts)
+    save_checkpoint(model, out, loaded.model_dir)
+    info = model.quant_info
+    print(f"wrote {out}: W8A8, alpha={info['alpha']}, lm_head={info['lm_head']}, "
+          f"smooth_o_down={info['smooth_o_down']}, rotate={info['rotate']}, {_size_mb(out):.0f} MB, "
+          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return 0
+
+
+def run_export(args) -> int:
+    out = _check_out(args.out)
+    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "rotate")
+    if args.calib is not None:
+        from quasar.data import read_text_file
+
+        read_text_file(args.calib)  # fail early on a bad file
+        opts["calib"] = args.calib
+    import torch
+
+    from quasar.models.loader import load_model
+    from quasar.quant.checkpoint import export_compressed_tensors
+    from quasar.quant.quantize import is_quantized
+    from quasar.quant.verifier import w8a8_verifier
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, args.dtype)
+    if is_quantized(loaded.model):
+        model = loaded.model
+    else:
+        model = w8a8_verifier(loaded, lm_head="float", progress=not args.no_progress, **opts)
+    export_compressed_tensors(model, out, loaded.model_dir)
+    print(f"wrote {out} (compressed-tensors int-quantized, lm_head float, {_size_mb(out):.0f} MB)\n"
+          f"serve it: vllm serve {out} --speculative-config "
+          "'{\"method\":\"ngram\",\"num_speculative_tokens\":5,\"prompt_lookup_min\":1,\"prompt_lookup_max\":3}'",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,309 @@
+"""SmoothQuant-style channel smoothing, folded offline and exact in float.
+
+A *group* is a producer whose output feeds one or more linear consumers. For a per-channel
+scale ``s`` on that shared tensor, dividing the producer's output channel ``j`` by ``s_j``
+and multiplying the consumers' input column ``j`` by ``s_j`` leaves the float function
+unchanged, while moving quantization difficulty from activations (outlier channels) to
+weights: ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``.
+
+The groups of the Llama family are data (``LAYER_GROUPS``/``FINAL_GROUPS``):
+- ``norm``: an RMSNorm weight feeds the consumers (``input_layernorm -> q,k,v``,
+  ``post_attention_layernorm -> gate,up``, ``model.norm -> lm_head``);
+- ``linear``: a linear layer's output feeds the consumer elementwise-linearly
+  (``up -> down``: the MLP output is linear in ``up``); its rows and bias are divided;
+- ``heads``: ``v -> o`` through attention, which mixes tokens but not channels. With GQA
+  one kv head's value channel ``d`` reaches the ``o`` input column ``(h, d)`` of every
+  query head ``h`` sharing that kv head, so one scale per v channel, shared by all of
+  those o columns (statistics are reduced over them).
+Qwen3's q/k RMSNorm sits on the q/k *outputs*; input-side smoothing is unaffected.
+
+``alpha="auto"`` searches, per group, the alpha (or no smoothing at all) that minimises
+the relative output error of the fake-quantized consumers (int8 per-token activations,
+int8 per-channel weights, exactly the kernels' rounding) on calibration activation rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from quasar.errors import QuasarError
+from quasar.quant.calibrate import CalibrationStats
+from quasar.quant.int8 import quantize_activation, quantize_weight
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    producer: str  # relative to the layer ("model.layers.N.") for LAYER_GROUPS, absolute otherwise
+    consumers: tuple[str, ...]
+    kind: str  # "norm" | "linear" | "heads"
+    switch: str | None = None  # None: always; "o_down": --smooth-o-down; "lm_head": int8 lm_head only
+
+
+LAYER_GROUPS: tuple[Group, ...] = (
+    Group("attn_in", "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "norm"),
+    Group("mlp_in", "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "norm"),
+    Group("attn_out", "self_attn.v_proj", ("self_attn.o_proj",), "heads", "o_down"),
+    Group("mlp_out", "mlp.up_proj", ("mlp.down_proj",), "linear", "o_down"),
+)
+FINAL_GROUPS: tuple[Group, ...] = (
+    Group("head_in", "model.norm", ("lm_head",), "norm", "lm_head"),
+)
+
+AUTO_GRID: tuple[float | None, ...] = (None, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+_EPS = 1e-5
+_WIDE = 8192  # consumers with more output rows than this (lm_head) are searched on a subset
+_SEARCH_ROWS_LARGE = 128  # activation rows replayed for them
+
+
+@dataclass
+class BoundGroup:
+    """A group resolved against one model: absolute names and the modules themselves."""
+
+    key: str  # e.g. "layers.3.attn_in"
+    group: Group
+    producer_name: str
+    producer: nn.Module
+    consumer_names: tuple[str, ...]
+    consumers: tuple[nn.Linear, ...]
+    rep: int = 1  # query heads per kv head ("heads" groups)
+    head_dim: int = 0
+
+    @property
+    def sample_name(self) -> str:
+        return self.consumer_names[0]
+
+
+def bind_groups(model: nn.Module, smooth_o_down: bool = True, lm_head: bool = False) -> list[BoundGroup]:
+    """The groups to smooth in ``model``, in order; ``lm_head`` adds ``model.norm -> lm_head``."""
+    cfg = model.config
+    modules = dict(model.named_modules())
+    enabled = {None, *(["o_down"] if smooth_o_down else []), *(["lm_head"] if lm_head else [])}
+    bound = []
+
+    def bind(key: str, g: Group, prefix: str) -> None:
+        names = tuple(prefix + c for c in g.consumers)
+        missing = [n for n in (prefix + g.producer, *names) if n not in modules]
+        if missing:
+            raise QuasarError(f"smoothing: model has no module {missing[0]!r}")
+        consumers = tuple(modules[n] for n in names)
+        if not all(isinstance(c, nn.Linear) for c in consumers):
+            raise QuasarError(f"smoothing {key}: consumers must be float nn.Linear (already quantized?)")
+        bound.append(BoundGroup(key, g, prefix + g.producer, modules[prefix + g.producer], names, consumers,
+                                rep=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim))
+
+    for i in range(len(model.model.layers)):
+        for g in LAYER_GROUPS:
+            if g.switch in enabled:
+                bind(f"layers.{i}.{g.name}", g, f"model.layers.{i}.")
+    for g in FINAL_GROUPS:
+        if g.switch in enabled:
+            bind(g.name, g, "")
+    return bound
+
+
+def sample_names(groups: Sequence[BoundGroup]) -> list[str]:
+    """Linear layers whose input rows the alpha search needs."""
+    return [g.sample_name for g in groups]
+
+
+def _consumer_wmax(bg: BoundGroup) -> Tensor:
+    """max |W[:, j]| over all consumers, per input column (float32)."""
+    w = torch.stack([c.weight.detach().float().abs().amax(dim=0) for c in bg.consumers])
+    return w.amax(dim=0)
+
+
+def _per_kv(t: Tensor, bg: BoundGroup) -> Tensor:
+    """o-input statistic [n_heads * d] -> per v channel [n_kv * d], max over sharing heads."""
+    return t.view(-1, bg.rep, bg.head_dim).amax(dim=1).reshape(-1)
+
+
+def _to_consumer(s: Tensor, bg: BoundGroup) -> Tensor:
+    """Per v channel [n_kv * d] -> per o input column [n_heads * d] (kv head g feeds g*rep..)."""
+    return s.view(-1, 1, bg.head_dim).expand(-1, bg.rep, -1).reshape(-1)
+
+
+def group_scales(bg: BoundGroup, act_max: Tensor, alpha: float | None,
+                 wmax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(producer-side scale, consumer-side scale), float32; all ones when alpha is None.
+
+    ``wmax`` (the consumers' per-column max |W|) may be passed in when already computed.
+    """
+    act = act_max.float().clamp_min(_EPS)
+    wmax = (_consumer_wmax(bg) if wmax is None else wmax).clamp_min(_EPS)
+    if bg.group.kind == "heads":
+        act, wmax = _per_kv(act, bg), _per_kv(wmax, bg)
+    if alpha is None:
+        s = torch.ones_like(act)
+    else:
+        if not 0.0 <= alpha <= 1.0:
+            raise QuasarError(f"alpha must be in [0, 1], got {alpha}")
+        s = act.pow(alpha) / wmax.pow(1.0 - alpha)
+        s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+    return s, (_to_consumer(s, bg) if bg.group.kind == "heads" else s)
+
+
+@torch.no_grad()
+def fold(bg: BoundGroup, s_prod: Tensor, s_cons: Tensor) -> None:
+    """Divide the producer's output channels by s, multiply the consumers' inputs by s."""
+    p = bg.producer
+    if bg.group.kind == "norm":
+        p.weight.data = (p.weight.data.float() / s_prod).to(p.weight.dtype)
+    else:
+        if not isinstance(p, nn.Linear):
+            raise QuasarError(f"smoothing {bg.key}: producer must be a float nn.Linear")
+        p.weight.data = (p.weight.data.float() / s_prod[:, None]).to(p.weight.dtype)
+        if p.bias is not None:
+            p.bias.data = (p.bias.data.float() / s_prod).to(p.bias.dtype)
+    for c in bg.consumers:
+        c.weight.data = (c.weight.data.float() * s_cons[None, :]).to(c.weight.dtype)
+
+
+def _fake_quant_rows(t: Tensor, weight: bool) -> Tensor:
+    q, scale = quantize_weight(t) if weight else quantize_activation(t)
+    return q.float() * scale
+
+
+def quant_error(x: Tensor, s_cons: Tensor, weights: Sequence[Tensor], refs: Sequence[Tensor]) -> float:
+    """Sum over consumers of ||Q(x/s) Q(W s)^T - x W^T||^2 / ||x W^T||^2 (float32 weights)."""
+    qx = _fake_quant_rows(x / s_cons, weight=False)
+    err = 0.0
+    for w, ref in zip(weights, refs):
+        qw = _fake_quant_rows(w * s_cons[None, :], weight=True)
+        err += float((qx @ qw.t() - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-30))
+    return err
+
+
+@torch.no_grad()
+def search_alpha(bg: BoundGroup, act_max: Tensor, x: Tensor,
+                 grid: Sequence[float | None] = AUTO_GRID) -> tuple[float | None, dict]:
+    """The grid value with the lowest quantized output error on rows ``x`` (None = unsmoothed).
+
+    For very wide consumers (lm_head) the error is estimated on an even subset of output
+    rows and of ``x``: per-row weight quantization makes rows independent, so a subset
+    is an unbiased sample, and it keeps the search cheap.
+    """
+    x = x.float()
+    weights = [c.weight.detach().float() for c in bg.consumers]
+    if sum(w.shape[0] for w in weights) > _WIDE:
+        x = x[:: -(-x.shape[0] // _SEARCH_ROWS_LARGE)]
+        weights = [w[:: -(-w.shape[0] // _WIDE)] for w in weights]
+    refs = [x @ w.t() for w in weights]
+    wmax = _consumer_wmax(bg)
+    errors = {}
+    for a in grid:
+        _, s_cons = group_scales(bg, act_max, a, wmax)
+        errors[a] = quant_error(x, s_cons, weights, refs)
+    best = min(errors, key=errors.get)
+    return best, errors
+
+
+def smooth_model(model: nn.Module, stats: CalibrationStats, alpha: float | str,
+                 smooth_o_down: bool = True, lm_head: bool = False, grid: Sequence[float | None] = AUTO_GRID,
+                 progress: bool = False) -> dict[str, float | None]:
+    """Fold smoothing scales into ``model`` in place; returns the alpha used per group.
+
+    ``alpha`` is a float in [0, 1] for every group, or "auto" for the per-group search
+    (needs ``stats.samples`` for each group's first consumer).
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    if alpha != "auto" and not isinstance(alpha, (int, float)):
+        raise QuasarError(f"alpha must be a number in [0, 1] or 'auto', got {alpha!r}")
+    groups = bind_groups(model, smooth_o_down, lm_head)
+    chosen: dict[str, float | None] = {}
+    for bg in tqdm(groups, desc="smoothing", unit="group", file=sys.stderr, disable=not progress, leave=False):
+        act = stats.act_max.get(bg.sample_name)
+        if act is None:
+            raise QuasarError(f"smoothing {bg.key}: no calibration statistics for {bg.sample_name}")
+        if alpha == "auto":
+            x = stats.samples.get(bg.sample_name)
+            if x is None:
+                raise QuasarError(f"smoothing {bg.key}: no calibration samples for {bg.sample_name}")
+            a, _ = search_alpha(bg, act, x, grid)
+        else:
+            a = float(alpha)
+        s_prod, s_cons = group_scales(bg, act, a)
+        if a is not None:
+            fold(bg, s_prod, s_cons)
+        chosen[bg.key] = a
+    return chosen
+
+
+# --------------------------------------------------------------------------- rotation
+
+
+def rotation_matrix(n: int, seed: int = 0) -> Tensor:
+    """A fixed random orthogonal [n, n] matrix (float64): a randomized Hadamard matrix
+    when n is a power of two, else the Q of a Gaussian matrix's QR (signs fixed)."""
+    gen = torch.Generator().manual_seed(seed)
+    if n & (n - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1
+        return signs[:, None] * h / n ** 0.5
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))[None, :]
+
+
+def _set(p: nn.Parameter | Tensor, value: Tensor) -> None:
+    p.data = value.to(p.dtype).contiguous()
+
+
+@torch.no_grad()
+def rotate_model(model: nn.Module, seed: int = 0, heads: bool = True) -> None:
+    """Fold orthogonal rotations into ``model`` in place (exact in float, up to rounding).
+
+    The residual stream is rotated by Q: every RMSNorm weight is folded into the linears
+    it feeds (an unweighted RMSNorm commutes with Q, as it preserves the norm) and set to
+    one; the embeddings and the linears writing into the stream (o, down) produce rotated
+    vectors, the readers (q, k, v, gate, up, lm_head) take them. With ``heads``, each value
+    head is rotated by R and ``o_proj``'s columns of every query head by the same R (one
+    R for all heads, so GQA sharing is consistent). Outlier channels get spread over all
+    channels, which is what per-token int8 activations need. lm_head is untied.
+    """
+    cfg = model.config
+    if not all(isinstance(m, nn.Linear) for m in (model.lm_head, model.model.layers[0].mlp.down_proj)):
+        raise QuasarError("rotate_model expects a float model (rotate before quantizing)")
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    q = rotation_matrix(cfg.hidden_size, seed)
+
+    def read(linears, norm):
+        g = norm.weight.detach().double()
+        for lin in linears:
+            _set(lin.weight, (lin.weight.double() * g[None, :]) @ q)
+        _set(norm.weight, torch.ones_like(g))
+
+    def write(lin):
+        _set(lin.weight, q.t() @ lin.weight.double())
+        if lin.bias is not None:
+            _set(lin.bias, lin.bias.double() @ q)
+
+    emb = model.model.embed_tokens
+    _set(emb.weight, emb.weight.double() @ q)
+    r = rotation_matrix(cfg.head_dim, seed + 1) if heads else None
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        read((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm)
+        read((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm)
+        write(attn.o_proj)
+        write(mlp.down_proj)
+        if r is not None:
+            d = cfg.head_dim
+            wv = attn.v_proj.weight.double().view(cfg.num_kv_heads, d, -1)
+            _set(attn.v_proj.weight, torch.einsum("de,gdh->geh", r, wv).reshape(cfg.num_kv_heads * d, -1))
+            if attn.v_proj.bias is not None:
+                _set(attn.v_proj.bias, (attn.v_proj.bias.double().view(-1, d) @ r).reshape(-1))
+            wo = attn.o_proj.weight.double().view(-1, cfg.num_heads, d)
+            _set(attn.o_proj.weight, (wo @ r).reshape(-1, cfg.num_heads * d))
+    read((model.lm_head,), model.model.norm)
+    model.config = dataclasses.replace(cfg, tie_word_embeddings=False)

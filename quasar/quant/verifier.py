@@ -1,0 +1,128 @@
+"""`--verifier w8a8`: the W8A8 copy of a loaded float model, quantized once and cached.
+
+The quantized checkpoint is kept under ``$QUASAR_CACHE/w8a8/`` keyed by the identity of
+the model directory (path, sizes and modification times of its config and weights), the
+float dtype and the quantization options (incl. the calibration file's content hash), so
+later runs load it in about a second instead of recalibrating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from quasar.errors import QuasarError
+from quasar.models.llama import Transformer
+from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+from quasar.quant.quantize import (
+    DEFAULT_ALPHA,
+    DEFAULT_LM_HEAD,
+    DEFAULT_ROTATE,
+    DEFAULT_SMOOTH_O_DOWN,
+    build_w8a8,
+    check_options,
+    is_quantized,
+)
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _file_identity(path: Path) -> list:
+    st = path.stat()
+    return [path.name, st.st_size, st.st_mtime_ns]
+
+
+def model_identity(model_dir: Path) -> list:
+    """What changes when the model directory's config or weights change."""
+    model_dir = Path(model_dir).resolve()
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and
+                   (p.name == "config.json" or p.suffix == ".safetensors" or p.name.endswith(".index.json")))
+    return [str(model_dir), *[_file_identity(p) for p in files]]
+
+
+def cache_key(model_dir: Path, dtype: torch.dtype, options: dict) -> str:
+    from quasar.quant.checkpoint import FORMAT_VERSION
+
+    blob = json.dumps({"model": model_identity(model_dir), "dtype": str(dtype), "options": options,
+                       "format": FORMAT_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_path(model_dir: Path, dtype: torch.dtype, options: dict) -> Path:
+    from quasar.models.gguf import cache_root
+
+    dtype_name = _DTYPE_NAMES.get(dtype, str(dtype))
+    return cache_root() / "w8a8" / f"{Path(model_dir).resolve().name}-{dtype_name}-{cache_key(model_dir, dtype, options)}"
+
+
+def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
+    """(text, sha256) of a user calibration file, or (None, None) for the built-in corpus."""
+    if calib is None:
+        return None, None
+    from quasar.data import read_text_file
+
+    text = read_text_file(calib)
+    return text, hashlib.sha256(text.encode()).hexdigest()
+
+
+def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = DEFAULT_LM_HEAD,
+                  smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, calib: str | Path | None = None,
+                  samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, rotate: bool = DEFAULT_ROTATE,
+                  backend: str = "auto",
+                  cache: bool = True, progress: bool | None = None, **unknown) -> Transformer:
+    """A new W8A8 Transformer for ``loaded`` (a ``LoadedModel``); the float model is untouched.
+
+    A model that is already W8A8 (loaded from a quantized checkpoint) is returned as is.
+    Otherwise the first call calibrates and quantizes (tens of seconds for the default
+    model) and saves the result in the cache; later calls with the same model and
+    options load it.
+    """
+    from quasar.quant.int8 import set_backend
+
+    if unknown:
+        raise QuasarError(f"unknown quantization option {sorted(unknown)[0]!r}; known: alpha, lm_head, "
+                          "smooth_o_down, calib, samples, seq_len, rotate, backend, cache, progress")
+    alpha = check_options(alpha, lm_head, backend)
+    model = loaded.model
+    if is_quantized(model):
+        if backend != "auto":
+            set_backend(model, backend)
+        return model
+    if samples < 1 or seq_len < 2:
+        raise QuasarError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
+    if progress is None:
+        progress = sys.stderr.isatty()
+    text, digest = _calib_text(calib)
+    dtype = model.model.norm.weight.dtype
+    options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
+               "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate)}
+    target = cache_path(loaded.model_dir, dtype, options) if cache else None
+    if target is not None and (target / "config.json").is_file():
+        try:
+            from quasar.models.hf import load_hf_dir
+
+            cached = load_hf_dir(target, dtype)
+            if backend != "auto":
+                set_backend(cached, backend)
+            return cached
+        except QuasarError as e:  # damaged entry: rebuild it
+            print(f"warning: rebuilding the W8A8 cache entry {target} ({e})", file=sys.stderr)
+            shutil.rmtree(target, ignore_errors=True)
+    if progress:
+        print("quantizing the model to W8A8 (once; the result is cached)...", file=sys.stderr)
+    qmodel = build_w8a8(model, loaded.tokenizer, alpha=alpha, smooth_o_down=smooth_o_down, lm_head=lm_head,
+                        calib_text=text, calib_source=str(calib) if calib else None, samples=samples,
+                        seq_len=seq_len, rotate=rotate, backend=backend, progress=progress)
+    if target is not None:
+        from quasar.quant.checkpoint import save_checkpoint
+
+        try:
+            save_checkpoint(qmodel, target, loaded.model_dir, exist_ok=True)
+        except OSError as e:  # a read-only or full cache must not stop decoding
+            print(f"warning: could not cache the W8A8 model in {target} ({e})", file=sys.stderr)
+    return qmodel

@@ -1,0 +1,294 @@
+"""W8A8 verifier: smoothing is exact, quantized logits stay close, checkpoints round-trip,
+a token's logits do not depend on the tokens verified with it, exports load in transformers,
+and bad `quasar quantize` inputs fail cleanly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_tiny_model
+from quasar.cli import main
+from quasar.errors import QuasarError
+from quasar.models.llama import Transformer
+from quasar.models.loader import load_model
+from quasar.quant import smooth as sm
+from quasar.quant.calibrate import calibrate, token_windows
+from quasar.quant.checkpoint import prepare_quantized_modules, quantization_config, save_checkpoint
+from quasar.quant.fidelity import run_fidelity
+from quasar.quant.int8 import Int8Linear, set_backend
+from quasar.quant.quantize import _untie_lm_head, build_w8a8, clone_model
+
+CALIB = ("The committee met on Tuesday to review the annual budget and the new transit plan.\n"
+         "def mean(xs):\n    return sum(xs) / len(xs)\n"
+         "Photosynthesis converts light energy into chemical energy stored in glucose.\n") * 12
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
+FAST = dict(calib_text=CALIB, samples=2, seq_len=48, progress=False)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, default_model_dir):
+    root = tmp_path_factory.mktemp("quant")
+    return {arch: make_tiny_model(root / arch, arch, default_model_dir) for arch in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def llama(model_dirs):
+    return load_model(model_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def w8a8(llama):
+    return build_w8a8(llama.model, llama.tokenizer, alpha="auto", **FAST)
+
+
+def logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    model.setup_cache(256)
+    return model(torch.tensor([ids]))[0]
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# --------------------------------------------------------------------------- smoothing
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_smoothing_leaves_float_logits_unchanged(arch, model_dirs):
+    loaded = load_model(model_dirs[arch])
+    ids = loaded.tokenizer.encode(PROMPT)
+    ref = logits(loaded.model, ids)
+    work = clone_model(loaded.model)
+    _untie_lm_head(work)
+    groups = sm.bind_groups(work, smooth_o_down=True, lm_head=True)
+    assert {g.group.name for g in groups} == {"attn_in", "mlp_in", "attn_out", "mlp_out", "head_in"}
+    stats = calibrate(work, token_windows(loaded.tokenizer, CALIB, 2, 48), progress=False)
+    chosen = sm.smooth_model(work, stats, 0.5, smooth_o_down=True, lm_head=True)
+    assert len(chosen) == len(groups)
+    assert rel_diff(logits(work, ids), ref) <= 1e-4
+    # arbitrary strong scales too: exactness must not rely on the scales being mild (a wrong
+    # GQA mapping for v->o would show here: 4 query heads share 2 kv heads)
+    gen = torch.Generator().manual_seed(0)
+    for bg in sm.bind_groups(work, smooth_o_down=True, lm_head=True):
+        s_prod, _ = sm.group_scales(bg, stats.act_max[bg.sample_name], 0.5)
+        s = torch.empty_like(s_prod).uniform_(0.25, 4.0, generator=gen)
+        sm.fold(bg, s, sm._to_consumer(s, bg) if bg.group.kind == "heads" else s)
+    assert rel_diff(logits(work, ids), ref) <= 1e-4
+    assert torch.equal(logits(loaded.model, ids), ref)  # the float model was not touched
+
+
+def test_w8a8_logits_close_to_float(llama, w8a8):
+    ids = llama.tokenizer.encode(PROMPT + " " + CALIB[:200])
+    ref, out = logits(llama.model, ids), logits(w8a8, ids)
+    assert sum(isinstance(m, Int8Linear) for m in w8a8.modules()) == 2 * 7 + 1  # + lm_head
+    assert rel_diff(out, ref) < 0.1
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    kl = F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="batchmean")
+    assert float(kl) < 0.05
+
+
+def test_fixed_alpha_and_float_lm_head(llama):
+    q = build_w8a8(llama.model, llama.tokenizer, alpha=0.5, lm_head="float", smooth_o_down=False, **FAST)
+    assert not isinstance(q.lm_head, Int8Linear) and isinstance(q.model.layers[0].mlp.down_proj, Int8Linear)
+    assert q.quant_info["alphas"] == {"attn_in": [0.5, 0.5], "mlp_in": [0.5, 0.5]}
+    ids = llama.tokenizer.encode(PROMPT)
+    assert rel_diff(logits(q, ids), logits(llama.model, ids)) < 0.1
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+@pytest.mark.parametrize("lm_head", ["int8", "float"])
+def test_quantize_save_load_identical_logits(llama, w8a8, tmp_path, lm_head):
+    q = w8a8 if lm_head == "int8" else build_w8a8(llama.model, llama.tokenizer, alpha=0.5, lm_head="float", **FAST)
+    out = save_checkpoint(q, tmp_path / "ckpt", llama.model_dir)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["format"] == "int-quantized" and qc["quasar"]["lm_head"] == lm_head
+    assert qc["ignore"] == ([] if lm_head == "int8" else ["lm_head"])
+    assert (out / "tokenizer.json").is_file()
+    loaded = load_model(out)
+    assert isinstance(loaded.model.lm_head, Int8Linear) == (lm_head == "int8")
+    ids = llama.tokenizer.encode(PROMPT)
+    assert torch.equal(logits(loaded.model, ids), logits(q, ids))
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_prepare_rejects_unsupported_schemes(llama):
+    with torch.device("meta"):
+        model = Transformer(llama.model.config)
+    qc = quantization_config(["lm_head"])
+    qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with pytest.raises(QuasarError, match="symmetric"):
+        prepare_quantized_modules(model, qc, {})
+    with pytest.raises(QuasarError, match="quantization method"):
+        prepare_quantized_modules(model, {"quant_method": "gptq"}, {})
+    with pytest.raises(QuasarError, match="lacks"):
+        prepare_quantized_modules(model, quantization_config(["lm_head"]), {})
+
+
+# --------------------------------------------------------------------------- batch invariance
+
+
+def _rows_alone_and_together(model: Transformer, ids: list[int], k: int = 6):
+    p = len(ids) - k
+    model.setup_cache(256)
+    model(torch.tensor([ids[:p]]), logits="none")
+    together = model(torch.tensor([ids[p:]]))[0]
+    model.cache.length = p
+    alone = torch.cat([model(torch.tensor([[t]]))[0] for t in ids[p:]])
+    return alone, together
+
+
+def _per_query_sdpa(orig):
+    """Attention computed one query at a time over its own key prefix, exactly as in decode."""
+    def sdpa(q, k, v, attn_mask=None, enable_gqa=False, **kw):
+        t, s = q.shape[2], k.shape[2]
+        if t == 1:
+            return orig(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kw)
+        return torch.cat([orig(q[:, :, i:i + 1], k[:, :, :s - t + i + 1], v[:, :, :s - t + i + 1],
+                               enable_gqa=enable_gqa, **kw) for i in range(t)], dim=2)
+    return sdpa
+
+
+def test_token_logits_do_not_depend_on_other_tokens_in_the_step(llama, w8a8, monkeypatch):
+    """Everything the W8A8 model adds is batch-invariant: int8 GEMMs are exact, per-token
+    activation scales, per-row norms, int8 lm_head. Attention is pinned to the per-query
+    computation here (CPU SDPA itself is not batch-invariant; see the next test)."""
+    set_backend(w8a8, "cpu")
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _per_query_sdpa(F.scaled_dot_product_attention))
+    alone, together = _rows_alone_and_together(w8a8, llama.tokenizer.encode(PROMPT))
+    set_backend(w8a8, "auto")
+    assert torch.equal(alone, together)
+
+
+@pytest.mark.xfail(reason="torch's CPU scaled_dot_product_attention rounds differently for 1 vs 6 queries "
+                          "(~1e-7); needs a batch-invariant attention in quasar/models/llama.py", strict=False)
+def test_token_logits_do_not_depend_on_other_tokens_end_to_end(llama, w8a8):
+    set_backend(w8a8, "cpu")
+    alone, together = _rows_alone_and_together(w8a8, llama.tokenizer.encode(PROMPT))
+    set_backend(w8a8, "auto")
+    assert torch.equal(alone, together)
+
+
+# --------------------------------------------------------------------------- verifier, fidelity
+
+
+def test_w8a8_verifier_is_cached(llama, tmp_path, monkeypatch):
+    from quasar.quant import verifier
+
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
+    opts = dict(samples=2, seq_len=48, alpha=0.5)
+    first = verifier.w8a8_verifier(llama, **opts)
+    assert first is not llama.model and not isinstance(llama.model.lm_head, Int8Linear)
+    entries = list((tmp_path / "cache" / "w8a8").iterdir())
+    assert len(entries) == 1 and (entries[0] / "model.safetensors").is_file()
+
+    def no_rebuild(*a, **k):
+        raise AssertionError("recalibrated although the cache holds this model")
+
+    monkeypatch.setattr(verifier, "build_w8a8", no_rebuild)
+    second = verifier.w8a8_verifier(llama, **opts)
+    ids = llama.tokenizer.encode(PROMPT)
+    assert torch.equal(logits(second, ids), logits(first, ids))
+    assert verifier.w8a8_verifier(load_model(entries[0])).lm_head is not None  # W8A8 in, as is
+    with pytest.raises(QuasarError, match="alpha"):
+        verifier.w8a8_verifier(llama, alpha=2.0)
+    with pytest.raises(QuasarError, match="unknown"):
+        verifier.w8a8_verifier(llama, bogus=1)
+
+
+def test_run_fidelity(llama, w8a8):
+    ids = llama.tokenizer.encode(CALIB[:600])
+    r = run_fidelity(llama.model, w8a8, ids, window=40)
+    assert {"top1_agreement", "kl_mean", "ppl_fp", "ppl_w8a8"} <= r.keys()
+    assert r["tokens"] == len(ids) - 1 and 0.8 <= r["top1_agreement"] <= 1.0 and r["kl_mean"] >= 0
+    same = run_fidelity(llama.model, llama.model, ids, window=40)
+    assert same["top1_agreement"] == 1.0 and same["kl_mean"] < 1e-6 and same["ppl_fp"] == same["ppl_w8a8"]
+
+
+# --------------------------------------------------------------------------- interop
+
+
+def test_transformers_loads_export_and_agrees(llama, w8a8, model_dirs, tmp_path, capsys):
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed")
+    from transformers import AutoModelForCausalLM
+
+    from quasar.quant.checkpoint import export_compressed_tensors
+
+    ours_dir = save_checkpoint(w8a8, tmp_path / "ours", llama.model_dir)
+    assert main(["export", "--format", "compressed-tensors", "--model", str(ours_dir),
+                 "--out", str(tmp_path / "vllm")]) == 0
+    out = tmp_path / "vllm"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["lm_head"] and "quasar" not in qc
+    # the float-lm_head path of the export (what `export --model FLOAT` writes)
+    q_float = build_w8a8(llama.model, llama.tokenizer, alpha=0.5, lm_head="float", **FAST)
+    out2 = export_compressed_tensors(q_float, tmp_path / "vllm2", llama.model_dir)
+    for d in (out, out2):
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        ours = load_model(d).model
+        ids = llama.tokenizer.encode(PROMPT)
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        ours.setup_cache(128)
+        mine, x = [], torch.tensor([ids])
+        for _ in range(12):
+            mine.append(int(ours(x, logits="last")[0, -1].argmax()))
+            x = torch.tensor([[mine[-1]]])
+        assert theirs == mine
+
+
+# --------------------------------------------------------------------------- CLI errors
+
+
+def _no_leftovers(parent: Path) -> None:
+    assert not [p.name for p in parent.iterdir() if ".tmp" in p.name]
+
+
+def test_quantize_cli_writes_a_loadable_checkpoint(model_dirs, tmp_path, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(model_dirs["qwen3"]), "--out", str(out), "--calib", str(calib),
+                 "--samples", "2", "--seq-len", "32", "--alpha", "0.6", "--no-progress"]) == 0
+    info = json.loads((out / "config.json").read_text())["quantization_config"]["quasar"]
+    assert info["alpha"] == 0.6 and info["calibration"]["seq_len"] == 32
+    assert isinstance(load_model(out).model.model.layers[1].self_attn.o_proj, Int8Linear)
+    assert main(["quantize", "--model", str(out), "--out", str(tmp_path / "again")]) == 2
+    assert "already a W8A8" in capsys.readouterr().err
+    _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["out_exists", "missing_calib", "empty_calib", "bad_alpha", "bad_seq_len"])
+def test_quantize_cli_bad_inputs(model_dirs, tmp_path, capsys, case):
+    out = tmp_path / "out"
+    args = ["quantize", "--model", str(model_dirs["llama"]), "--out", str(out), "--samples", "1",
+            "--seq-len", "16", "--no-progress"]
+    expect = {"out_exists": "already exists", "missing_calib": "not found", "empty_calib": "empty",
+              "bad_alpha": "alpha", "bad_seq_len": "seq-len"}[case]
+    if case == "out_exists":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    elif case == "missing_calib":
+        args += ["--calib", str(tmp_path / "nope.txt")]
+    elif case == "empty_calib":
+        (tmp_path / "empty.txt").write_text("  \n")
+        args += ["--calib", str(tmp_path / "empty.txt")]
+    elif case == "bad_alpha":
+        args += ["--alpha", "1.5"]
+    else:
+        args[args.index("--seq-len") + 1] = "1"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and expect in err and len(err.strip().splitlines()) == 1
+    if case == "out_exists":
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    else:
+        assert not out.exists()
+    _no_leftovers(tmp_path)
