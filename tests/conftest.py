@@ -8,6 +8,7 @@ tokenizer: either the default model's real tokenizer and chat template (vocab 49
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,26 @@ import pytest
 import torch
 
 ARCHES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """A private Quasar cache per test session, so W8A8 entries of throw-away tiny models do
+    not pile up in the user's cache; the costly shared parts (the converted default model,
+    the compiled int8 extension) are linked in from the user's cache and reused."""
+    from quasar.models.gguf import cache_root
+
+    user, tmp = cache_root(), tmp_path_factory.mktemp("quasar-cache")
+    for sub in ("gguf", "torch_ext"):
+        (user / sub).mkdir(parents=True, exist_ok=True)
+        (tmp / sub).symlink_to(user / sub, target_is_directory=True)
+    old = os.environ.get("QUASAR_CACHE")
+    os.environ["QUASAR_CACHE"] = str(tmp)
+    yield tmp
+    if old is None:
+        os.environ.pop("QUASAR_CACHE", None)
+    else:
+        os.environ["QUASAR_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

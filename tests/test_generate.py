@@ -33,7 +33,7 @@ def chat_llm(tmp_path_factory, default_model_dir):
     return LLM(str(d), drafter="ngram", verifier="fp", max_context=512)
 
 
-@pytest.mark.parametrize("verifier", ["fp", "pruned:0.5"])
+@pytest.mark.parametrize("verifier", ["fp", "w8a8", "pruned:0.5"])
 def test_greedy_speculative_equals_autoregressive(char_llm, verifier):
     accepted_any = False
     for prompt in REPETITIVE:

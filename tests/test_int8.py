@@ -12,6 +12,7 @@ from quasar.quant.int8 import (
     Int8Linear,
     quantize_activation,
     quantize_weight,
+    scale_output,
     set_backend,
 )
 
@@ -293,7 +294,7 @@ def test_ext_rows_are_batch_independent(ext_op) -> None:
     _, layer = _layer(576, 1536)
     assert layer.repack()[5] is not None
     x = torch.randn(6, 576) * torch.logspace(-2, 2, 6)[:, None]
-    y = layer(x)  # M > 1: s8 x s8
+    y = layer(x)  # M > 1: the small-M VNNI kernel, else s8 x s8
     for i in range(6):
         assert torch.equal(layer(x[i : i + 1]), y[i : i + 1])  # M = 1: u8 x s8 GEMV
     assert torch.equal(layer(x.view(2, 3, 576)), y.view(2, 3, 1536))
@@ -428,3 +429,89 @@ def test_ext_later_processes_load_from_cache(ext_op) -> None:
     state, seconds = out.stdout.split()
     assert state == "cache" and float(seconds) < 1.0, out.stdout
     assert out.stderr == ""
+
+
+# ---------------------------------------------------------------- small-M VNNI kernel (ext)
+@pytest.fixture
+def small_m(ext_op):
+    """The op with its small-M kernel on (skipped on CPUs without AVX512-VNNI); the
+    threshold is restored afterwards."""
+    from quasar.quant import ext
+
+    if not ext.small_m_supported():
+        pytest.skip("CPU without AVX512-VNNI: the op always uses oneDNN")
+    old = ext.small_m_max(8)
+    yield ext_op
+    ext.small_m_max(old)
+
+
+def _op_reference(x, w, ws, bias) -> torch.Tensor:
+    qx, sx = quantize_activation(x)
+    return scale_output(kernels.reference_mm(qx, (w,)), sx, ws, bias, torch.float32)
+
+
+@pytest.mark.parametrize("k", [1, 2, 63, 64, 65, 577, 1536])
+def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
+    from quasar.quant import ext
+
+    gen = torch.Generator().manual_seed(k)
+    for n in (1, 7, 65, 193):
+        w = _int8(gen, n, k)  # rows of -128 and 127
+        ws = torch.rand(n, 1, generator=gen) / 100
+        bias = torch.randn(n, generator=gen)
+        comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
+        for m in range(1, 9):
+            x = _hard_rows(m, k, torch.float32)
+            x[0] = torch.where(torch.arange(k) % 2 == 0, 3.0, -3.0)  # q = ±127: u8 255 / 1
+            for b in (bias, None):
+                want = _op_reference(x, w, ws, b)
+                got = small_m(x, w, ws, b, comp, True, False)
+                assert torch.equal(got, want), (k, n, m, b is None)
+                if k > 1:  # oneDNN (the old path) agrees bit for bit
+                    old = ext.small_m_max(0)
+                    try:
+                        assert torch.equal(small_m(x, w, ws, b, comp, True, False), got)
+                    finally:
+                        ext.small_m_max(old)
+
+
+def test_small_m_kernel_wraps_exactly(small_m) -> None:
+    """Past K = 65793 the u8 sums overflow int32; minus comp the result is still exact."""
+    k, n = 70001, 3
+    w = torch.full((n, k), -128, dtype=torch.int8)
+    w[1] = 127
+    w[2, ::2] = 5
+    ws = torch.full((n, 1), 1e-6)
+    comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
+    x = torch.ones(2, k)
+    x[1, 1::3] = -1
+    got = small_m(x, w, ws, None, comp, True, True)
+    assert torch.equal(got, _op_reference(x, w, ws, None))
+
+
+def test_small_m_rows_are_batch_independent(small_m) -> None:
+    _, layer = _layer(577, 1539)
+    assert layer.repack()[5] is not None
+    x = torch.randn(17, 577) * torch.logspace(-3, 3, 17)[:, None]
+    y = layer(x)  # M = 17: oneDNN
+    for m in range(1, 9):  # every small M, every row position
+        for i in range(0, 17 - m + 1, 3):
+            assert torch.equal(layer(x[i : i + m]), y[i : i + m]), (m, i)
+    set_backend(layer, "reference")
+    assert torch.equal(layer(x[:6]), y[:6])
+
+
+def test_small_m_kernel_can_be_disabled(small_m, monkeypatch) -> None:
+    from quasar.quant import ext
+
+    _, layer = _layer(576, 192)
+    plain = _without_ext(layer, monkeypatch)
+    x = torch.randn(6, 576)
+    y = layer(x)
+    assert ext.small_m_max(0) == 8 and ext.small_m_max() == 0
+    try:
+        assert torch.equal(layer(x), y)  # oneDNN inside the op
+    finally:
+        ext.small_m_max(8)
+    assert torch.equal(plain(x), y)  # QUASAR_NO_EXT: the pure-PyTorch path
+    assert ext.small_m_max(99) == 8 and ext.small_m_max() == 8  # capped at 8

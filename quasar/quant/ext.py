@@ -16,6 +16,11 @@ directory's ``lock`` file, then moves the library into place with an atomic rena
 processes that start meanwhile wait on the lock and then load the finished library. A
 killed builder releases the lock with its process and leaves no partial library behind.
 
+Small M: on a CPU with AVX512-VNNI the op computes M <= 8 rows (the speculative verifier's
+k + 1 tokens) with a hand-written kernel that reads the weight once, instead of oneDNN's
+``_int_mm`` (~4x its M = 1 cost there); the int32s and hence the outputs are the same bits.
+:func:`small_m_max` reads or sets the threshold (0: always oneDNN), for benchmarks and tests.
+
 Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a
 compiler or ninja, on a failed build or load, or off POSIX, :func:`int8_linear_op` returns
 None and Int8Linear runs its pure-PyTorch path; the reason is logged once at debug level.
@@ -40,7 +45,15 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ENV_DISABLE", "build_dir", "disabled", "info", "int8_linear_op"]
+__all__ = [
+    "ENV_DISABLE",
+    "build_dir",
+    "disabled",
+    "info",
+    "int8_linear_op",
+    "small_m_max",
+    "small_m_supported",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +83,19 @@ def int8_linear_op() -> Callable[..., torch.Tensor] | None:
     if not _info:
         _load()
     return _op
+
+
+def small_m_supported() -> bool:
+    """True when the loaded op runs small M on its AVX512-VNNI kernel (False without op)."""
+    return int8_linear_op() is not None and bool(torch.ops.quasar_quant.int8_small_m_supported())
+
+
+def small_m_max(value: int | None = None) -> int:
+    """The largest M the op sends to its small-M kernel (0..8; 0 disables it); with
+    ``value``, set it process-wide and return the previous one. 0 without the op."""
+    if int8_linear_op() is None:
+        return 0
+    return int(torch.ops.quasar_quant.int8_small_m_max(-1 if value is None else max(0, value)))
 
 
 def info() -> dict[str, Any]:
@@ -220,12 +246,12 @@ def _self_check(op: Callable[..., torch.Tensor]) -> None:
     from quasar.quant.kernels import reference_mm
 
     gen = torch.Generator().manual_seed(0)
-    w = torch.randint(-127, 128, (19, 37), generator=gen, dtype=torch.int8)
+    w = torch.randint(-128, 128, (19, 131), generator=gen, dtype=torch.int8)
     ws = torch.rand((19, 1), generator=gen) / 100
     bias = torch.randn(19, generator=gen)
     comp = w.sum(dim=1, dtype=torch.int32).mul_(128).unsqueeze(0)
-    for m in (1, 3):
-        x = torch.randn(m, 37, generator=gen) * torch.logspace(-3, 3, m)[:, None]
+    for m in (1, 3, 8, 9):  # the small-M kernel (on VNNI CPUs) and oneDNN
+        x = torch.randn(m, 131, generator=gen) * torch.logspace(-3, 3, m)[:, None]
         qx, sx = quantize_activation(x)
         acc = reference_mm(qx, (w,))
         for b in (bias, None):

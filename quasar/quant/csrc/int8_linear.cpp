@@ -8,13 +8,33 @@
 //   q   = round_half_even(x / s_x)                         (NaN -> 0, like .to(torch.int8))
 // Build with -ffp-contract=off: a fused multiply-add in the epilogue would round differently.
 // Rows are processed independently, so a token's output never depends on the batch.
+//
+// Small M (the verifier's k + 1 tokens, M <= 8): oneDNN's _int_mm costs ~4x its M = 1
+// GEMV there, although decoding is memory-bound and the weight need only be read once.
+// small_m_linear does the GEMM by hand with AVX512-VNNI (vpdpbusd: u8 x s8, four pairs
+// summed into each int32 lane): each 64-byte chunk of a weight row [N, K] is loaded once
+// and multiplied with the same chunk of all M activation rows (x + 128 as uint8, in L1),
+// then 128 * rowsum(W) ("comp") is subtracted. Integer sums are exact (vpdpbusd wraps,
+// never saturates, and the wrapped sum minus comp is the true value, which fits in int32
+// for K <= MAX_IN_FEATURES), so the int32s, and with the unchanged epilogue the outputs,
+// are bitwise those of the oneDNN path. Only that function is compiled for AVX512 (target
+// attribute: no global -march); it is picked at run time when the CPU has AVX512-VNNI.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define QUASAR_VNNI_KERNEL 1
+#include <immintrin.h>
+#define QUASAR_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#endif
 
 namespace {
 
@@ -68,11 +88,12 @@ void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx
 // separately (no contraction), exactly as scale_output's torch.mul / mul_ / add_.
 template <bool kComp, bool kBias>
 void epilogue_rows(const int32_t* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
-                   const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y) {
+                   const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y,
+                   int64_t y_stride) {
   for (int64_t m = 0; m < m_len; ++m) {
     const int32_t* a = acc + m * acc_stride;
     const float s = sx[m];
-    float* o = y + m * n_len;
+    float* o = y + m * y_stride;
     for (int64_t n = 0; n < n_len; ++n) {
       float v = static_cast<float>(kComp ? a[n] - comp[n] : a[n]) * ws[n];
       v = v * s;
@@ -83,11 +104,145 @@ void epilogue_rows(const int32_t* acc, int64_t acc_stride, const int32_t* comp, 
 }
 
 void epilogue(const int32_t* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
-              const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y) {
-  if (comp && bias) epilogue_rows<true, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y);
-  else if (comp) epilogue_rows<true, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y);
-  else if (bias) epilogue_rows<false, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y);
-  else epilogue_rows<false, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y);
+              const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y,
+              int64_t y_stride) {
+  if (comp && bias)
+    epilogue_rows<true, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+  else if (comp)
+    epilogue_rows<true, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+  else if (bias)
+    epilogue_rows<false, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+  else
+    epilogue_rows<false, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+}
+
+// ---------------------------------------------------------------- small-M VNNI GEMM
+constexpr int64_t kSmallMaxM = 8;
+// Largest M sent to small_m_linear (0 disables it); settable for benchmarks and tests.
+std::atomic<int64_t> g_small_m_max{kSmallMaxM};
+
+bool vnni_supported() {
+#ifdef QUASAR_VNNI_KERNEL
+  // libgcc also checks that the OS saves the AVX512 state (XCR0).
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+#ifdef QUASAR_VNNI_KERNEL
+// The 16 int32 lanes of each of a0..a3 summed: [sum a0, sum a1, sum a2, sum a3].
+QUASAR_VNNI inline __m128i reduce4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  // per 128-bit lane: [a0, a1, a2, a3] partial sums
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// out[m * ldo + j] = sum_k xu[m * K + k] * w[j * K + k] for m < M, j < NB (wrapping int32).
+// One loop with masked loads (lanes past K read as 0 and never fault) and the reduction
+// through memory: GCC keeps the accumulators in registers only in this shape.
+template <int M, int NB>
+QUASAR_VNNI inline void vnni_tile(const uint8_t* xu, int64_t K, const int8_t* w, int32_t* out,
+                                  int64_t ldo) {
+  __m512i acc[M][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 mask = K - k >= 64 ? ~0ULL : ~0ULL >> (64 - (K - k));
+    __m512i wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi8(mask, w + j * K + k);
+    // The same lines of the next tile's rows: short row streams defeat the hardware
+    // prefetcher once the weights come from DRAM (prefetches never fault past the end).
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * K + k), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + m * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
+    }
+  }
+  alignas(64) int32_t buf[M * NB * 16];
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) _mm512_store_si512(buf + (m * NB + j) * 16, acc[m][j]);
+  for (int m = 0; m < M; ++m) {
+    const int32_t* b = buf + m * NB * 16;
+    int j = 0;
+    for (; j + 4 <= NB; j += 4)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + m * ldo + j),
+                       reduce4(_mm512_load_si512(b + j * 16), _mm512_load_si512(b + j * 16 + 16),
+                               _mm512_load_si512(b + j * 16 + 32),
+                               _mm512_load_si512(b + j * 16 + 48)));
+    for (; j < NB; ++j) out[m * ldo + j] = _mm512_reduce_add_epi32(_mm512_load_si512(b + j * 16));
+  }
+}
+
+// Weight rows [n0, n1) against M activation rows: out[m * ldo + (n - n0)].
+template <int M>
+QUASAR_VNNI void vnni_rows(const uint8_t* xu, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
+                           int32_t* out, int64_t ldo) {
+  // NB weight rows per tile: M * NB accumulators stay in the 32 zmm registers.
+  constexpr int NB = M <= 3 ? 8 : M == 4 ? 6 : M <= 6 ? 4 : 3;
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) vnni_tile<M, NB>(xu, K, w + n * K, out + (n - n0), ldo);
+  for (; n < n1; ++n) vnni_tile<M, 1>(xu, K, w + n * K, out + (n - n0), ldo);
+}
+
+void vnni_dispatch(int64_t M, const uint8_t* xu, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
+                   int32_t* out, int64_t ldo) {
+  switch (M) {
+    case 1: return vnni_rows<1>(xu, K, w, n0, n1, out, ldo);
+    case 2: return vnni_rows<2>(xu, K, w, n0, n1, out, ldo);
+    case 3: return vnni_rows<3>(xu, K, w, n0, n1, out, ldo);
+    case 4: return vnni_rows<4>(xu, K, w, n0, n1, out, ldo);
+    case 5: return vnni_rows<5>(xu, K, w, n0, n1, out, ldo);
+    case 6: return vnni_rows<6>(xu, K, w, n0, n1, out, ldo);
+    case 7: return vnni_rows<7>(xu, K, w, n0, n1, out, ldo);
+    case 8: return vnni_rows<8>(xu, K, w, n0, n1, out, ldo);
+    default: TORCH_CHECK(false, "int8_linear: small-M kernel called with M = ", M);
+  }
+}
+#endif
+
+// y [M, N] = epilogue(xu [M, K] (uint8, q + 128) x w [N, K]^T - comp), 1 <= M <= 8,
+// in chunks of output columns spread over the intra-op threads; each chunk runs its own
+// epilogue (elementwise, so the split never changes a bit).
+void small_m_linear(const uint8_t* xu, int64_t M, int64_t K, const int8_t* w, int64_t N,
+                    const int32_t* comp, const float* ws, const float* sx, const float* bias,
+                    float* y) {
+#ifdef QUASAR_VNNI_KERNEL
+  constexpr int64_t kChunk = 64;
+  const int64_t chunks = (N + kChunk - 1) / kChunk;
+  // A task reads at least ~64 KiB of weights: less does not pay for waking a thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
+  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
+    int32_t acc[kSmallMaxM * kChunk];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * kChunk, n_len = std::min(N - n0, kChunk);
+      vnni_dispatch(M, xu, K, w, n0, n0 + n_len, acc, kChunk);
+      for (int64_t m = 0; m < M; ++m) {
+        int32_t* a = acc + m * kChunk;
+        for (int64_t j = 0; j < n_len; ++j)  // modular: exact once comp is taken off
+          a[j] = static_cast<int32_t>(static_cast<uint32_t>(a[j]) -
+                                      static_cast<uint32_t>(comp[n0 + j]));
+      }
+      epilogue(acc, kChunk, nullptr, ws + n0, sx, bias ? bias + n0 : nullptr, M, n_len, y + n0, N);
+    }
+  });
+#else
+  TORCH_CHECK(false, "int8_linear: small-M kernel not compiled in");
+#endif
 }
 
 at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
@@ -103,7 +258,9 @@ at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
 // weight [N, K] int8, weight_scale [N] or [N, 1], bias [N] or None, comp = 128 * rowsum(W)
 // as int32 [N] or [1, N] (needed when a u8 variant is used). u8_single / u8_multi pick
 // oneDNN's u8 x s8 GEMM ("u8x": x + 128 as uint8, minus comp) for M == 1 / M > 1, else
-// s8 x s8 ("s8"). Returns [..., N] in x's dtype.
+// s8 x s8 ("s8"). On an AVX512-VNNI CPU, M <= int8_small_m_max() (default 8) with a
+// valid comp takes the hand-written small_m_linear instead, whatever the flags say.
+// Returns [..., N] in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& comp, bool u8_single, bool u8_multi) {
@@ -135,6 +292,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       cmp = comp->contiguous();
     }
     std::vector<float> sx(M);
+    // Small M on an AVX512-VNNI CPU: the hand-written kernel (same int32s, same epilogue).
+    if (M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() &&
+        comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
+        comp->numel() == N) {
+      const at::Tensor c = comp->contiguous();
+      const at::Tensor wc = weight.contiguous();
+      at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
+      quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data());
+      small_m_linear(q.data_ptr<uint8_t>(), M, K, wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(),
+                     ws.data_ptr<float>(), sx.data(), b.defined() ? b.data_ptr<float>() : nullptr,
+                     y.data_ptr<float>());
+      if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+      return y.view(out_shape);
+    }
     at::Tensor acc;
     if (use_u8) {
       at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
@@ -151,15 +322,27 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
     if (acc.stride(1) != 1) acc = acc.contiguous();
     epilogue(acc.data_ptr<int32_t>(), acc.stride(0), cmp.defined() ? cmp.data_ptr<int32_t>() : nullptr,
              ws.data_ptr<float>(), sx.data(), b.defined() ? b.data_ptr<float>() : nullptr, M, N,
-             y.data_ptr<float>());
+             y.data_ptr<float>(), N);
   }
   if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return y.view(out_shape);
 }
+
+// The largest M that takes the small-M kernel (1..8; 0 disables it); max_m < 0 only reads.
+// Returns the previous value.
+int64_t int8_small_m_max(int64_t max_m) {
+  if (max_m < 0) return g_small_m_max.load();
+  return g_small_m_max.exchange(std::min(max_m, kSmallMaxM));
+}
+
+// Whether this CPU runs the small-M kernel (AVX512-VNNI, and the kernel compiled in).
+bool int8_small_m_supported() { return vnni_supported(); }
 
 TORCH_LIBRARY(quasar_quant, m) {
   m.def(
       "int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? comp, "
       "bool u8_single, bool u8_multi) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
+  m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
+  m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
 }
