@@ -1,9 +1,10 @@
 """Calibration: what the inputs of every decoder linear layer look like on real text.
 
 Forward hooks on the float model record, per linear layer, the per-input-channel maximum
-``max|X_j|`` over all calibration tokens (SmoothQuant's activation statistic) and, for the
+``max|X_j|`` over all calibration tokens (SmoothQuant's activation statistic); for the
 layers named in ``keep``, a random subsample of whole input rows (tokens) that the
-per-group alpha search replays (see ``smooth.search_alpha``).
+per-group alpha search replays (see ``smooth.search_alpha``); and for the layers named in
+``hessians``, ``X^T X`` over every ``hessian_stride``-th token (GPTQ's statistic).
 
 Samples are ``n_samples`` windows of ``seq_len`` tokens cut evenly from each calibration
 text (round-robin over the texts, so every domain is represented). The built-in corpus is
@@ -34,10 +35,13 @@ class CalibrationStats:
     ``act_max[name]``: float32 [in_features], max |input| per channel over all tokens.
     ``samples[name]``: float32 [rows, in_features], a subsample of input rows (only for
     the layers that were asked for).
+    ``hessians[name]``: float64 [in, in], ``X^T X`` over a subsample of tokens (only for the
+    layers asked for; GPTQ's second-order statistics).
     """
 
     act_max: dict[str, Tensor] = field(default_factory=dict)
     samples: dict[str, Tensor] = field(default_factory=dict)
+    hessians: dict[str, Tensor] = field(default_factory=dict)
     n_samples: int = 0
     seq_len: int = 0
     n_tokens: int = 0
@@ -112,7 +116,8 @@ def decoder_linears(model: nn.Module, include_lm_head: bool = True) -> dict[str,
 @torch.inference_mode()
 def calibrate(model: nn.Module, windows: list[list[int]], keep: Iterable[str] = (),
               keep_rows: int = DEFAULT_KEEP_ROWS, include_lm_head: bool = True, progress: bool = True,
-              seed: int = 0, source: str = "") -> CalibrationStats:
+              seed: int = 0, source: str = "", hessians: Iterable[str] = (),
+              hessian_stride: int = 4) -> CalibrationStats:
     """Run the float ``model`` over ``windows`` and collect input statistics per linear.
 
     ``include_lm_head=False`` skips the vocabulary projection (a large share of the time)
@@ -125,9 +130,9 @@ def calibrate(model: nn.Module, windows: list[list[int]], keep: Iterable[str] = 
 
     if not windows:
         raise QuasarError("no calibration windows")
-    keep = set(keep)
+    keep, hessians = set(keep), set(hessians)
     linears = decoder_linears(model, include_lm_head)
-    unknown = keep - linears.keys()
+    unknown = (keep | hessians) - linears.keys()
     if unknown:
         raise QuasarError(f"calibration: no linear layer named {sorted(unknown)[0]!r}")
     stats = CalibrationStats(n_samples=len(windows), seq_len=max(len(w) for w in windows), source=source)
@@ -145,6 +150,11 @@ def calibrate(model: nn.Module, windows: list[list[int]], keep: Iterable[str] = 
             stats.act_max[name] = m if prev is None else torch.maximum(prev, m)
             if name in rows and pick[0] is not None:
                 rows[name].append(x2[pick[0]].clone())
+            if name in hessians:
+                xs = x2[::hessian_stride]
+                h = (xs.t() @ xs).double()
+                prev = stats.hessians.get(name)
+                stats.hessians[name] = h if prev is None else prev.add_(h)
         return fn
 
     handles = [lin.register_forward_pre_hook(hook(name)) for name, lin in linears.items()]
@@ -171,4 +181,5 @@ def calibrate(model: nn.Module, windows: list[list[int]], keep: Iterable[str] = 
         if chunks:
             stats.samples[name] = torch.cat(chunks)[:keep_rows].cpu()
     stats.act_max = {k: v.cpu() for k, v in stats.act_max.items()}
+    stats.hessians = {k: v.cpu() for k, v in stats.hessians.items()}
     return stats

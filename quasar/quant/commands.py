@@ -1,7 +1,7 @@
 """`quasar quantize` and `quasar export`: write W8A8 checkpoints.
 
     quasar quantize --model M --out DIR [--alpha auto|FLOAT] [--calib FILE] [--samples N]
-                    [--seq-len L] [--lm-head int8|float] [--no-smooth-o-down]
+                    [--seq-len L] [--lm-head int8|float] [--no-smooth-o-down] [--no-rotate] [--no-gptq]
     quasar export --format compressed-tensors --model M --out DIR
 
 Only argparse at import time; torch and the quantizer are imported when a command runs.
@@ -40,7 +40,10 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="do not smooth v->o_proj and up->down_proj (only the norm-fed groups)")
     p.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
                    help="fold orthogonal rotations into the residual stream and the value heads before "
-                        "smoothing (exact in float; spreads outlier channels) (default: off)")
+                        "smoothing (exact in float; spreads outlier channels) (default: on)")
+    p.add_argument("--gptq", action=argparse.BooleanOptionalAction, default=None,
+                   help="round int8 weights with GPTQ error feedback instead of to nearest "
+                        "(same format; needs a little more calibration time) (default: on)")
 
 
 def register(sub) -> None:
@@ -91,6 +94,8 @@ def _options(args, *names: str) -> dict:
         opts["smooth_o_down"] = False
     if args.rotate is not None:
         opts["rotate"] = args.rotate
+    if args.gptq is not None:
+        opts["gptq"] = args.gptq
     if getattr(args, "lm_head", None) is not None:
         opts["lm_head"] = args.lm_head
     return {k: v for k, v in opts.items() if k in names}
@@ -113,7 +118,7 @@ def run_quantize(args) -> int:
     from quasar.errors import QuasarError
 
     out = _check_out(args.out)
-    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "lm_head", "rotate")
+    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "lm_head", "rotate", "gptq")
     calib_text = None
     if args.calib is not None:
         from quasar.data import read_text_file
@@ -136,14 +141,15 @@ def run_quantize(args) -> int:
     save_checkpoint(model, out, loaded.model_dir)
     info = model.quant_info
     print(f"wrote {out}: W8A8, alpha={info['alpha']}, lm_head={info['lm_head']}, "
-          f"smooth_o_down={info['smooth_o_down']}, rotate={info['rotate']}, {_size_mb(out):.0f} MB, "
+          f"smooth_o_down={info['smooth_o_down']}, rotate={info['rotate']}, gptq={info['gptq']}, "
+          f"{_size_mb(out):.0f} MB, "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return 0
 
 
 def run_export(args) -> int:
     out = _check_out(args.out)
-    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "rotate")
+    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "rotate", "gptq")
     if args.calib is not None:
         from quasar.data import read_text_file
 

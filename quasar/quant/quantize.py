@@ -1,4 +1,4 @@
-"""Float model -> W8A8 model: copy, calibrate, smooth, swap linears for Int8Linear.
+"""Float model -> W8A8 model: copy, rotate, calibrate, smooth, round (GPTQ), swap linears.
 
 ``build_w8a8`` is the whole pipeline on a loaded float model (it never touches the float
 model itself); ``quantize_model`` is the last step on a model you already calibrated.
@@ -11,7 +11,7 @@ import time
 from typing import Mapping
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
@@ -23,13 +23,16 @@ from quasar.quant.calibrate import (
     calibrate,
     token_windows,
 )
-from quasar.quant.int8 import BACKEND_NAMES, Int8Linear
-from quasar.quant.smooth import bind_groups, rotate_model, sample_names, smooth_model
+from quasar.quant.int8 import BACKEND_NAMES, Int8Linear, quantize_weight
+from quasar.quant.smooth import bind_groups, input_owners, rotate_model, sample_names, smooth_model
 
 DEFAULT_ALPHA: float | str = "auto"
 DEFAULT_LM_HEAD = "int8"
 DEFAULT_SMOOTH_O_DOWN = True
-DEFAULT_ROTATE = False
+DEFAULT_ROTATE = True
+DEFAULT_GPTQ = True
+GPTQ_DAMP = 0.1  # of the mean diagonal of X^T X
+_GPTQ_BLOCK = 128
 LM_HEAD_CHOICES = ("int8", "float")
 
 
@@ -81,13 +84,119 @@ def _untie_lm_head(model: Transformer) -> None:
 
 
 @torch.no_grad()
+def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = GPTQ_DAMP,
+                  block: int = _GPTQ_BLOCK) -> tuple[Tensor, Tensor]:
+    """Per-output-channel symmetric int8 like ``quantize_weight`` (same scales), but the
+    rounding of each column is chosen with error feedback onto the columns not yet
+    quantized, weighted by the input second moments ``hessian`` = X^T X (GPTQ), which
+    minimises ||X W^T - X Q^T|| instead of ||W - Q||. Returns (int8 [out, in], float32 [out, 1]).
+
+    Batched: ``weight`` [B, out, in] with ``hessian`` [B, in, in] runs B independent
+    problems at once (one Python loop over the columns for all of them).
+    """
+    single = weight.dim() == 2
+    w = (weight[None] if single else weight).detach().float().clone()
+    h = (hessian[None] if single else hessian).detach().double().clone()
+    n_batch, _, n = w.shape
+    scale = torch.stack([quantize_weight(w[b])[1] for b in range(n_batch)])  # [B, out, 1]
+    diag = torch.diagonal(h, dim1=1, dim2=2)
+    diag[diag <= 0] = 1.0  # inputs never seen: no error feedback through them
+    diag += damp * diag.mean(dim=1, keepdim=True)
+    try:
+        u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    except RuntimeError:  # not positive definite even after damping: plain rounding
+        q, s = zip(*(quantize_weight(w[b]) for b in range(n_batch)))
+        q, s = torch.stack(q), torch.stack(s)
+        return (q[0], s[0]) if single else (q, s)
+    q = torch.empty_like(w)
+    s2, inv = scale[:, None, :, 0], 1.0 / scale[:, None, :, 0]  # [B, 1, out]
+    for i1 in range(0, n, block):
+        i2 = min(i1 + block, n)
+        wt = w[:, :, i1:i2].transpose(1, 2).contiguous()  # [B, cols, out]: a column is a row
+        qt = torch.empty_like(wt)
+        err = torch.empty_like(wt)
+        u1 = u[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = wt[:, i:i + 1]
+            qi = torch.round(col * inv).clamp_(-127, 127)
+            qt[:, i:i + 1] = qi
+            e = (col - qi * s2) / u1[:, i, i, None, None]
+            err[:, i:i + 1] = e
+            if i + 1 < i2 - i1:
+                wt[:, i + 1:].baddbmm_(u1[:, i, i + 1:, None], e, alpha=-1)
+        q[:, :, i1:i2] = qt.transpose(1, 2)
+        if i2 < n:
+            w[:, :, i2:].sub_(torch.bmm(err.transpose(1, 2), u[:, i1:i2, i2:]))
+    q = q.to(torch.int8)
+    return (q[0], scale[0]) if single else (q, scale)
+
+
+def _gptq_weights(model: Transformer, names: list[str], stats: CalibrationStats, scales: dict[str, Tensor],
+                  progress: bool, batch: int = 8) -> dict[str, tuple[Tensor, Tensor]]:
+    """GPTQ-rounded (int8, scale) for the linears in ``names`` whose input has a Hessian.
+
+    Linears reading the same input (q, k, v; gate, up) share it and are done as one
+    matrix; same-shaped problems of different layers are batched. The Hessians come
+    from the unsmoothed activations: smoothing divides the input by s, so H becomes
+    H / (s s^T).
+    """
+    import sys
+
+    from tqdm import tqdm
+
+    modules = dict(model.named_modules())
+    owners = input_owners(model)
+    by_owner: dict[str, list[str]] = {}
+    for name in names:
+        owner = owners.get(name)
+        if owner is not None and owner in stats.hessians:
+            by_owner.setdefault(owner, []).append(name)
+    by_shape: dict[tuple, list[str]] = {}
+    for owner, group in by_owner.items():
+        rows = sum(modules[n].out_features for n in group)
+        by_shape.setdefault((rows, modules[group[0]].in_features, len(group)), []).append(owner)
+    jobs = [owners_[i:i + batch] for owners_ in by_shape.values() for i in range(0, len(owners_), batch)]
+    out = {}
+    for job in tqdm(jobs, desc="gptq", unit="batch", file=sys.stderr, disable=not progress, leave=False):
+        ws, hs = [], []
+        for owner in job:
+            h = stats.hessians[owner]
+            s = scales.get(owner)
+            if s is not None:
+                s = s.double()
+                h = h / (s[:, None] * s[None, :])
+            hs.append(h)
+            ws.append(torch.cat([modules[n].weight.detach().float() for n in by_owner[owner]]))
+        q, scale = gptq_quantize(torch.stack(ws), torch.stack(hs))
+        for b, owner in enumerate(job):
+            start = 0
+            for n in by_owner[owner]:
+                rows = modules[n].out_features
+                out[n] = (q[b, start:start + rows], scale[b, start:start + rows])
+                start += rows
+    return out
+
+
+def _int8_linear(linear: nn.Linear, q: Tensor, scale: Tensor, backend: str) -> Int8Linear:
+    layer = Int8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, backend=backend,
+                       device=linear.weight.device)
+    layer.weight.copy_(q)
+    layer.weight_scale.copy_(scale)
+    if linear.bias is not None:
+        layer.bias.copy_(linear.bias.detach())
+    return layer
+
+
+@torch.no_grad()
 def quantize_model(model: Transformer, stats: CalibrationStats, alpha: float | str = DEFAULT_ALPHA,
                    smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, lm_head: str = DEFAULT_LM_HEAD,
-                   backend: str = "auto", progress: bool = False) -> Transformer:
+                   backend: str = "auto", progress: bool = False, gptq: bool = DEFAULT_GPTQ) -> Transformer:
     """Smooth ``model`` in place (exact in float), then swap every decoder linear (and
     lm_head when ``lm_head="int8"``) for an ``Int8Linear``. Returns ``model``.
 
-    Records what was done in ``model.quant_info`` (read by the checkpoint writer).
+    With ``gptq`` the int8 weights of every linear whose input has a Hessian in ``stats``
+    are rounded by GPTQ (same format and scales), the others by plain rounding. Records
+    what was done in ``model.quant_info`` (read by the checkpoint writer).
     """
     alpha = check_options(alpha, lm_head, backend)
     if is_quantized(model):
@@ -95,20 +204,26 @@ def quantize_model(model: Transformer, stats: CalibrationStats, alpha: float | s
     int8_head = lm_head == "int8"
     if int8_head:
         _untie_lm_head(model)
-    chosen = smooth_model(model, stats, alpha, smooth_o_down, lm_head=int8_head, progress=progress)
+    scales: dict[str, torch.Tensor] = {}
+    chosen = smooth_model(model, stats, alpha, smooth_o_down, lm_head=int8_head, progress=progress,
+                          scales_out=scales)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
              and (n.startswith("model.layers.") or (int8_head and n == "lm_head"))]
+    rounded = _gptq_weights(model, names, stats, scales, progress) if gptq else {}
     modules = dict(model.named_modules())
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
-        setattr(parent, child, Int8Linear.from_float(modules[name], backend=backend))
+        lin = modules[name]
+        new = _int8_linear(lin, *rounded[name], backend) if name in rounded else Int8Linear.from_float(lin, backend)
+        setattr(parent, child, new)
     model.quant_info = {
         "alpha": alpha,
         "smooth_o_down": bool(smooth_o_down),
         "lm_head": lm_head,
         "backend": backend,
         "alphas": _alpha_summary(chosen),
+        "gptq": bool(rounded),
         "calibration": stats.summary(),
     }
     return model
@@ -126,7 +241,7 @@ def build_w8a8(model: Transformer, tokenizer, *, alpha: float | str = DEFAULT_AL
                smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, lm_head: str = DEFAULT_LM_HEAD,
                calib_text: str | None = None, calib_source: str | None = None,
                samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, rotate: bool = DEFAULT_ROTATE,
-               backend: str = "auto", progress: bool = True) -> Transformer:
+               gptq: bool = DEFAULT_GPTQ, backend: str = "auto", progress: bool = True) -> Transformer:
     """Calibrate a copy of the float ``model`` and quantize it; ``model`` stays intact.
 
     ``calib_text`` (e.g. from ``quasar.data.read_text_file``) replaces the built-in
@@ -145,9 +260,11 @@ def build_w8a8(model: Transformer, tokenizer, *, alpha: float | str = DEFAULT_AL
         rotate_model(work)
     int8_head = lm_head == "int8"
     keep = sample_names(bind_groups(work, smooth_o_down, int8_head)) if alpha == "auto" else ()
+    hessians = sorted({o for o in input_owners(work).values() if int8_head or o != "lm_head"}) if gptq else ()
     source = calib_source or ("file" if calib_text is not None else "builtin")
-    stats = calibrate(work, windows, keep=keep, include_lm_head=int8_head, progress=progress, source=source)
-    quantize_model(work, stats, alpha, smooth_o_down, lm_head, backend, progress=progress)
+    stats = calibrate(work, windows, keep=keep, include_lm_head=int8_head, progress=progress, source=source,
+                      hessians=hessians)
+    quantize_model(work, stats, alpha, smooth_o_down, lm_head, backend, progress=progress, gptq=gptq)
     work.quant_info["rotate"] = bool(rotate)
     work.quant_info["seconds"] = round(time.perf_counter() - t0, 1)
     return work

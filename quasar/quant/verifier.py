@@ -21,6 +21,7 @@ from quasar.models.llama import Transformer
 from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from quasar.quant.quantize import (
     DEFAULT_ALPHA,
+    DEFAULT_GPTQ,
     DEFAULT_LM_HEAD,
     DEFAULT_ROTATE,
     DEFAULT_SMOOTH_O_DOWN,
@@ -56,8 +57,8 @@ def cache_key(model_dir: Path, dtype: torch.dtype, options: dict) -> str:
 def cache_path(model_dir: Path, dtype: torch.dtype, options: dict) -> Path:
     from quasar.models.gguf import cache_root
 
-    dtype_name = _DTYPE_NAMES.get(dtype, str(dtype))
-    return cache_root() / "w8a8" / f"{Path(model_dir).resolve().name}-{dtype_name}-{cache_key(model_dir, dtype, options)}"
+    name = f"{Path(model_dir).resolve().name}-{_DTYPE_NAMES.get(dtype, str(dtype))}"
+    return cache_root() / "w8a8" / f"{name}-{cache_key(model_dir, dtype, options)}"
 
 
 def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
@@ -73,7 +74,7 @@ def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
 def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = DEFAULT_LM_HEAD,
                   smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, calib: str | Path | None = None,
                   samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, rotate: bool = DEFAULT_ROTATE,
-                  backend: str = "auto",
+                  gptq: bool = DEFAULT_GPTQ, backend: str = "auto",
                   cache: bool = True, progress: bool | None = None, **unknown) -> Transformer:
     """A new W8A8 Transformer for ``loaded`` (a ``LoadedModel``); the float model is untouched.
 
@@ -86,7 +87,7 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
 
     if unknown:
         raise QuasarError(f"unknown quantization option {sorted(unknown)[0]!r}; known: alpha, lm_head, "
-                          "smooth_o_down, calib, samples, seq_len, rotate, backend, cache, progress")
+                          "smooth_o_down, calib, samples, seq_len, rotate, gptq, backend, cache, progress")
     alpha = check_options(alpha, lm_head, backend)
     model = loaded.model
     if is_quantized(model):
@@ -100,7 +101,8 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     text, digest = _calib_text(calib)
     dtype = model.model.norm.weight.dtype
     options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
-               "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate)}
+               "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate),
+               "gptq": bool(gptq)}
     target = cache_path(loaded.model_dir, dtype, options) if cache else None
     if target is not None and (target / "config.json").is_file():
         try:
@@ -117,7 +119,8 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
         print("quantizing the model to W8A8 (once; the result is cached)...", file=sys.stderr)
     qmodel = build_w8a8(model, loaded.tokenizer, alpha=alpha, smooth_o_down=smooth_o_down, lm_head=lm_head,
                         calib_text=text, calib_source=str(calib) if calib else None, samples=samples,
-                        seq_len=seq_len, rotate=rotate, backend=backend, progress=progress)
+                        seq_len=seq_len, rotate=rotate, gptq=gptq, backend=backend,
+                        progress=progress)
     if target is not None:
         from quasar.quant.checkpoint import save_checkpoint
 
