@@ -6,21 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from quasar.cli import main
 
 FAST = ["--threads", "1", "--max-new-tokens", "8", "--bandwidth-gb", "0.0625", "--no-progress"]
-
-
-def _w8a8_available() -> bool:
-    try:
-        importlib.import_module("quasar.quant.verifier")
-    except ImportError:
-        return False
-    return True
 
 
 def _run_json(capsys, argv: list[str]) -> dict:
@@ -119,7 +110,6 @@ def test_bench_prompt_file_categories(tiny_model, tmp_path, capsys):
     assert res["peers"] == {}
 
 
-@pytest.mark.skipif(not _w8a8_available(), reason="w8a8 verifier (quasar.quant.verifier) not built yet")
 def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
     res = _run_json(capsys, ["--model", str(tiny_model("llama")), "--tasks", "code", "--n", "1", "--repeats", "1",
                              "--modes", "ar-fp,ar-w8a8,quasar", "--peers", "none", "--out", str(tmp_path / "o"), *FAST])

@@ -3,7 +3,6 @@ results.json / report.md are written, and bad options fail with one clear line."
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 
@@ -16,17 +15,6 @@ from quasar.eval import runner, tasks
 from quasar.eval.tasks import EvalConfig
 
 ALL_TASKS = ["fidelity", "perplexity", "humaneval", "mmlu", "boolq", "asdiv"]
-
-
-def _module_missing(name: str) -> bool:
-    """True only while `name` itself does not exist (a broken module is not skipped)."""
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name in (name, name.rsplit(".", 1)[0]):
-            return True
-        raise
-    return False
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -180,13 +168,6 @@ def test_eval_cli_bad_options(tiny_dir, capsys) -> None:
     assert rc == 2 and "--shots" in err
 
 
-@pytest.mark.skipif(not _module_missing("quasar.quant.fidelity"), reason="fidelity module exists")
-def test_eval_fidelity_reports_unavailable(tiny_dir, capsys) -> None:
-    rc, _, err = _eval(capsys, "fidelity", "--model", str(tiny_dir), "--json")
-    assert rc == 2 and "fidelity is not available yet" in err
-
-
-@pytest.mark.skipif(_module_missing("quasar.quant.verifier"), reason="w8a8 verifier not built yet")
 def test_eval_cli_w8a8(tiny_dir, tmp_path, capsys) -> None:
     rc, stdout, stderr = _eval(capsys, "--model", str(tiny_dir), "--tasks", "fidelity,perplexity,mmlu,humaneval",
                                "--limit", "1", "--max-new-tokens", "8", "--window", "48", "--check-spec",
@@ -197,10 +178,7 @@ def test_eval_cli_w8a8(tiny_dir, tmp_path, capsys) -> None:
         assert t[name]["status"] == "ok" and t[name]["fp"] is not None and t[name]["w8a8"] is not None
         assert t[name]["delta"] is not None
     assert t["humaneval"]["details"]["w8a8"]["spec_identical"] == 1.0
-    if _module_missing("quasar.quant.fidelity"):
-        assert t["fidelity"]["status"] == "unavailable"
-    else:
-        assert t["fidelity"]["status"] == "ok"
-        rc, stdout, stderr = _eval(capsys, "fidelity", "--model", str(tiny_dir), "--limit", "1", "--json")
-        assert rc == 0, stderr
-        assert {"top1_agreement", "kl_mean", "ppl_fp", "ppl_w8a8"} <= set(json.loads(stdout))
+    assert t["fidelity"]["status"] == "ok"
+    rc, stdout, stderr = _eval(capsys, "fidelity", "--model", str(tiny_dir), "--limit", "1", "--json")
+    assert rc == 0, stderr
+    assert {"top1_agreement", "kl_mean", "ppl_fp", "ppl_w8a8"} <= set(json.loads(stdout))
