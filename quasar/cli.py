@@ -23,6 +23,17 @@ BUILTIN_PROMPT = ("Write a Python function `fizzbuzz(n)` that returns a list of 
                   "then explain it briefly.")
 
 
+def positive_int(value: str) -> int:
+    """argparse type for counts that must be at least 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a model directory")

@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from quasar.cli import positive_int
+
 DEFAULT_OUT = "quasar-eval"
 _TASKS = "fidelity,perplexity,humaneval,mmlu,boolq,asdiv"
 
@@ -27,16 +29,6 @@ def _limit(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of items or 'all', got {value!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"--limit must be >= 1 (or 'all'), got {n}")
-    return n
-
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
     return n
 
 
@@ -60,15 +52,15 @@ def register(sub) -> None:
     p.add_argument("--shots", type=int, default=0, help="few-shot examples for mmlu/boolq (default 0)")
     p.add_argument("--check-spec", action="store_true",
                    help="also decode autoregressively and check the n-gram output is identical")
-    p.add_argument("--max-new-tokens", type=_positive, default=None,
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="generation limit (default: humaneval 384, asdiv 256)")
     p.add_argument("--text-file", help="text for perplexity/fidelity (.txt, or .jsonl with 'text'); "
                                        "default: the held-out part of the calibration corpus")
-    p.add_argument("--window", type=_positive, default=None,
+    p.add_argument("--window", type=positive_int, default=None,
                    help="perplexity window in tokens (default: min(context, 2048))")
-    p.add_argument("--stride", type=_positive, default=None, help="perplexity stride (default: window / 2)")
+    p.add_argument("--stride", type=positive_int, default=None, help="perplexity stride (default: window / 2)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HumanEval problem (default 10)")
-    p.add_argument("--memory-mb", type=_positive, default=1024, help="memory per HumanEval run (default 1024)")
+    p.add_argument("--memory-mb", type=positive_int, default=1024, help="memory per HumanEval run (default 1024)")
     p.add_argument("--out", default=None,
                    help=f"folder for results.json, report.md, samples.jsonl (default ./{DEFAULT_OUT}; "
                         "'quasar eval fidelity' writes only when given)")

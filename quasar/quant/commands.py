@@ -16,15 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
+from quasar.cli import positive_int
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -34,8 +26,8 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", default=None,
                    help="calibration text (.txt, or .jsonl with 'text'); default: the built-in corpus "
                         "(exllamav2 standard_cal_data, calibration part)")
-    p.add_argument("--samples", type=_positive, default=None, help="calibration samples (default 16)")
-    p.add_argument("--seq-len", type=_positive, default=None, help="tokens per calibration sample (default 512)")
+    p.add_argument("--samples", type=positive_int, default=None, help="calibration samples (default 16)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per calibration sample (default 512)")
     p.add_argument("--no-smooth-o-down", action="store_true",
                    help="do not smooth v->o_proj and up->down_proj (only the norm-fed groups)")
     p.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
