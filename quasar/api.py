@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quasar.defaults import DEFAULT_CONTEXT, DEFAULT_DRAFTER, DEFAULT_VERIFIER
+from quasar.defaults import DEFAULT_ADAPTIVE, DEFAULT_CONTEXT, DEFAULT_DRAFTER, DEFAULT_VERIFIER
 from quasar.errors import QuasarError
 from quasar.models.loader import LoadedModel, load_model
 from quasar.models.llama import Transformer
@@ -92,7 +92,7 @@ class LLM:
                raw: bool = False, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None,
                drafter: str | None = None, verifier: str | None = None, num_draft: int = 5,
-               ngram_min: int = 1, ngram_max: int = 3, adaptive: bool = False) -> Iterator[Chunk | Result]:
+               ngram_min: int = 1, ngram_max: int = 3, adaptive: bool = DEFAULT_ADAPTIVE) -> Iterator[Chunk | Result]:
         """Yield a Chunk per verifier step, then the Result (see `quasar.spec.generate`)."""
         drafter = drafter or self.drafter
         verifier = verifier or self.verifier

@@ -42,14 +42,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    from quasar.defaults import DEFAULT_DRAFTER, DEFAULT_VERIFIER
+    from quasar.defaults import DEFAULT_ADAPTIVE, DEFAULT_DRAFTER, DEFAULT_VERIFIER
 
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram")
     p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | pruned:F")
     p.add_argument("--num-draft", type=int, default=5, help="draft tokens per step (k)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=3)
-    p.add_argument("--adaptive", action="store_true", help="choose k per step from recent acceptance")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
+                   help="choose the draft length per step (up to k + 3) from recent acceptance")
 
 
 def _generate_parser(sub) -> None:

@@ -33,14 +33,15 @@ def chat_llm(tmp_path_factory, default_model_dir):
     return LLM(str(d), drafter="ngram", verifier="fp", max_context=512)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("verifier", ["fp", "w8a8", "pruned:0.5"])
-def test_greedy_speculative_equals_autoregressive(char_llm, verifier):
+def test_greedy_speculative_equals_autoregressive(char_llm, verifier, adaptive):
     accepted_any = False
     for prompt in REPETITIVE:
         for k in (1, 3, 5):
             ar = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="none", verifier=verifier)
             spec = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="ngram", num_draft=k,
-                                     verifier=verifier)
+                                     verifier=verifier, adaptive=adaptive)
             assert spec.token_ids == ar.token_ids, (prompt, k)
             assert spec.text == ar.text
             accepted_any |= spec.stats["accepted"] > 0

@@ -31,6 +31,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from quasar.defaults import DEFAULT_ADAPTIVE
 from quasar.errors import QuasarError
 from quasar.server.engine import Engine, EngineClosed, Job, QueueFull
 from quasar.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -134,7 +135,7 @@ class _JobStream(StreamingResponse):
 
 
 def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_name: str | None = None,
-               num_draft: int = 5, ngram_min: int = 1, ngram_max: int = 3, adaptive: bool = False,
+               num_draft: int = 5, ngram_min: int = 1, ngram_max: int = 3, adaptive: bool = DEFAULT_ADAPTIVE,
                default_max_tokens: int = 1024, metrics: ServerMetrics | None = None) -> FastAPI:
     """An app serving `llm` (a `quasar.api.LLM`). The drafter/verifier defaults are the LLM's own."""
     metrics = metrics or ServerMetrics()
