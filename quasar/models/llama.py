@@ -164,6 +164,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.cache: KVCache | None = None
+        # Optional fast path for steps of <= ROW_INVARIANT_MAX_T tokens: a callable
+        # (x, cos, sin, cache, start) -> hidden states after all layers, or None to run the
+        # modules. Installed by quasar.quant.fused_step on W8A8 models.
+        self.step_kernel = None
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -201,8 +205,13 @@ class Transformer(nn.Module):
         if t > ROW_INVARIANT_MAX_T:  # query i sees keys 0..start+i
             key_pos = torch.arange(start + t, device=x.device)
             mask = key_pos[None, :] <= (start + torch.arange(t, device=x.device))[:, None]
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, start, mask)
+        step = self.step_kernel if t <= ROW_INVARIANT_MAX_T else None
+        y = step(x, cos, sin, cache, start) if step is not None else None
+        if y is not None:
+            x = y
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, cache, i, start, mask)
         cache.length = start + t
         if logits == "none":
             return None

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
+from quasar.quant import fused_step
 from quasar.quant.int8 import Int8Linear
 
 FORMAT_VERSION = 1
@@ -131,6 +132,7 @@ def prepare_quantized_modules(model: Transformer, quant_config: dict, tensors: d
         swapped += 1
     if swapped == 0:
         raise QuasarError("quantization_config matches no linear layer of the model")
+    fused_step.install(model)
     return swapped
 
 

@@ -1,4 +1,4 @@
-"""The `cpu` int8 backend's fused C++ op (``csrc/int8_linear.cpp``), built lazily.
+"""The `cpu` int8 backend's C++ ops (``csrc/``), built lazily: a fused linear, a whole layer.
 
 For small layers the ~10 ATen ops of Int8Linear's pure-PyTorch path (quantize, GEMM,
 epilogue) cost more than the GEMM itself; the fused op does them in one call with the
@@ -50,6 +50,7 @@ __all__ = [
     "build_dir",
     "disabled",
     "info",
+    "decoder_layer_op",
     "int8_linear_op",
     "small_m_max",
     "small_m_supported",
@@ -59,7 +60,11 @@ log = logging.getLogger(__name__)
 
 ENV_DISABLE = "QUASAR_NO_EXT"
 NAME = "int8_linear"
-SOURCE = Path(__file__).resolve().parent / "csrc" / f"{NAME}.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# One library: the linear op, and the whole-layer op of quasar.quant.fused_step built on
+# the same GEMM (int8_gemm.h). The cache digest covers every file here.
+SOURCES = (CSRC / f"{NAME}.cpp", CSRC / "decoder_layer.cpp")
+HEADERS = (CSRC / "int8_gemm.h",)
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call.
@@ -98,6 +103,12 @@ def small_m_max(value: int | None = None) -> int:
     return int(torch.ops.quasar_quant.int8_small_m_max(-1 if value is None else max(0, value)))
 
 
+def decoder_layer_op() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.quasar_quant.w8a8_decoder_layer`` when the op is loaded and this CPU
+    runs it (AVX512-VNNI), else None."""
+    return torch.ops.quasar_quant.w8a8_decoder_layer if small_m_supported() else None
+
+
 def info() -> dict[str, Any]:
     """How the op was obtained: ``state`` ("cache", "built", "loaded" (already registered
     in this process), "failed" or "not loaded"), ``path``, ``seconds``, on failure ``error``."""
@@ -114,7 +125,7 @@ def build_dir() -> Path:
 def _digest() -> str:
     h = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in (*SOURCES, *HEADERS)),
         " ".join(CFLAGS).encode(),
         torch.__version__.encode(),
         str(torch.version.git_version).encode(),
@@ -226,7 +237,7 @@ def _build(build_directory: Path, env_path: str) -> None:
             warnings.simplefilter("ignore")
             cpp_extension.load(
                 name=NAME,
-                sources=[str(SOURCE)],
+                sources=[str(path) for path in SOURCES],
                 extra_cflags=list(CFLAGS),
                 build_directory=str(build_directory),
                 verbose=False,

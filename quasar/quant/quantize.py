@@ -23,6 +23,7 @@ from quasar.quant.calibrate import (
     calibrate,
     token_windows,
 )
+from quasar.quant import fused_step
 from quasar.quant.int8 import BACKEND_NAMES, Int8Linear, quantize_weight
 from quasar.quant.smooth import bind_groups, input_owners, rotate_model, sample_names, smooth_model
 
@@ -226,6 +227,7 @@ def quantize_model(model: Transformer, stats: CalibrationStats, alpha: float | s
         "gptq": bool(rounded),
         "calibration": stats.summary(),
     }
+    fused_step.install(model)
     return model
 
 

@@ -11,7 +11,7 @@
 //
 // Small M (the verifier's k + 1 tokens, M <= 8): oneDNN's _int_mm costs ~4x its M = 1
 // GEMV there, although decoding is memory-bound and the weight need only be read once.
-// small_m_linear does the GEMM by hand with AVX512-VNNI (vpdpbusd: u8 x s8, four pairs
+// small_m_gemm does the GEMM by hand with AVX512-VNNI (vpdpbusd: u8 x s8, four pairs
 // summed into each int32 lane): each 64-byte chunk of a weight row [N, K] is loaded once
 // and multiplied with the same chunk of all M activation rows (x + 128 as uint8, in L1),
 // then 128 * rowsum(W) ("comp") is subtracted. Integer sums are exact (vpdpbusd wraps,
@@ -19,6 +19,8 @@
 // for K <= MAX_IN_FEATURES), so the int32s, and with the unchanged epilogue the outputs,
 // are bitwise those of the oneDNN path. Only that function is compiled for AVX512 (target
 // attribute: no global -march); it is picked at run time when the CPU has AVX512-VNNI.
+
+#include "int8_gemm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -118,7 +120,7 @@ void epilogue(const int32_t* acc, int64_t acc_stride, const int32_t* comp, const
 
 // ---------------------------------------------------------------- small-M VNNI GEMM
 constexpr int64_t kSmallMaxM = 8;
-// Largest M sent to small_m_linear (0 disables it); settable for benchmarks and tests.
+// Largest M sent to small_m_gemm (0 disables it); settable for benchmarks and tests.
 std::atomic<int64_t> g_small_m_max{kSmallMaxM};
 
 bool vnni_supported() {
@@ -215,35 +217,56 @@ void vnni_dispatch(int64_t M, const uint8_t* xu, int64_t K, const int8_t* w, int
 }
 #endif
 
-// y [M, N] = epilogue(xu [M, K] (uint8, q + 128) x w [N, K]^T - comp), 1 <= M <= 8,
-// in chunks of output columns spread over the intra-op threads; each chunk runs its own
-// epilogue (elementwise, so the split never changes a bit).
-void small_m_linear(const uint8_t* xu, int64_t M, int64_t K, const int8_t* w, int64_t N,
-                    const int32_t* comp, const float* ws, const float* sx, const float* bias,
-                    float* y) {
+}  // namespace
+
+namespace quasar {
+
+bool cpu_has_vnni() { return vnni_supported(); }
+
+void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx) {
+  quantize_rows<uint8_t, 128>(x, m_len, k_len, q, sx);
+}
+
+// y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x seg.w [N, K]^T
+// - comp) for every segment, 1 <= M <= 8: the output columns of all segments are cut into
+// chunks spread over the intra-op threads (one parallel region for q, k and v together);
+// each chunk runs its own epilogue (elementwise, so the split never changes a bit).
+void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
+                  const float* sx, float* y, int64_t y_stride) {
 #ifdef QUASAR_VNNI_KERNEL
+  TORCH_CHECK(M >= 1 && M <= kSmallMaxM, "int8 small-M GEMM called with M = ", M);
   constexpr int64_t kChunk = 64;
-  const int64_t chunks = (N + kChunk - 1) / kChunk;
+  int64_t first[8 + 1] = {0};  // chunk index where segment s starts
+  TORCH_CHECK(n_segs >= 1 && n_segs <= 8, "int8 small-M GEMM: 1..8 segments");
+  for (int64_t s = 0; s < n_segs; ++s) first[s + 1] = first[s] + (segs[s].n + kChunk - 1) / kChunk;
   // A task reads at least ~64 KiB of weights: less does not pay for waking a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
-  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, first[n_segs], grain, [&](int64_t c0, int64_t c1) {
     int32_t acc[kSmallMaxM * kChunk];
+    int64_t s = 0;
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = c * kChunk, n_len = std::min(N - n0, kChunk);
-      vnni_dispatch(M, xu, K, w, n0, n0 + n_len, acc, kChunk);
+      while (c >= first[s + 1]) ++s;
+      const Int8Segment& g = segs[s];
+      const int64_t n0 = (c - first[s]) * kChunk, n_len = std::min(g.n - n0, kChunk);
+      vnni_dispatch(M, xu, K, g.w, n0, n0 + n_len, acc, kChunk);
       for (int64_t m = 0; m < M; ++m) {
         int32_t* a = acc + m * kChunk;
         for (int64_t j = 0; j < n_len; ++j)  // modular: exact once comp is taken off
           a[j] = static_cast<int32_t>(static_cast<uint32_t>(a[j]) -
-                                      static_cast<uint32_t>(comp[n0 + j]));
+                                      static_cast<uint32_t>(g.comp[n0 + j]));
       }
-      epilogue(acc, kChunk, nullptr, ws + n0, sx, bias ? bias + n0 : nullptr, M, n_len, y + n0, N);
+      epilogue(acc, kChunk, nullptr, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len,
+               y + g.y_col + n0, y_stride);
     }
   });
 #else
   TORCH_CHECK(false, "int8_linear: small-M kernel not compiled in");
 #endif
 }
+
+}  // namespace quasar
+
+namespace {
 
 at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), "int8_linear: ", what, " must be on the CPU");
@@ -259,7 +282,7 @@ at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
 // as int32 [N] or [1, N] (needed when a u8 variant is used). u8_single / u8_multi pick
 // oneDNN's u8 x s8 GEMM ("u8x": x + 128 as uint8, minus comp) for M == 1 / M > 1, else
 // s8 x s8 ("s8"). On an AVX512-VNNI CPU, M <= int8_small_m_max() (default 8) with a
-// valid comp takes the hand-written small_m_linear instead, whatever the flags say.
+// valid comp takes the hand-written small_m_gemm instead, whatever the flags say.
 // Returns [..., N] in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
@@ -300,9 +323,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       const at::Tensor wc = weight.contiguous();
       at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
       quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data());
-      small_m_linear(q.data_ptr<uint8_t>(), M, K, wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(),
-                     ws.data_ptr<float>(), sx.data(), b.defined() ? b.data_ptr<float>() : nullptr,
-                     y.data_ptr<float>());
+      const quasar::Int8Segment seg{wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(),
+                                    ws.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, 0};
+      quasar::small_m_gemm(q.data_ptr<uint8_t>(), M, K, &seg, 1, sx.data(), y.data_ptr<float>(), N);
       if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
       return y.view(out_shape);
     }

@@ -1,0 +1,309 @@
+// One whole decoder layer of a W8A8 model for a verifier-sized step, in one call
+// (see quasar/quant/fused_step.py, which decides when it is used).
+//
+// Why: at 135M parameters a step of 1..9 tokens spends more time in ~50 small ATen ops per
+// layer (norms, RoPE, a scaled-dot-product call per query, residuals, dispatch) than in
+// its int8 GEMMs. This op runs the layer's glue as plain loops between the same small-M
+// VNNI GEMMs Int8Linear uses (int8_gemm.h), so a step costs little more than the bytes of
+// its weights.
+//
+// Layer (Llama family, batch 1, T <= 16 rows, float32 activations):
+//   h = rmsnorm(x) * w_in; q, k, v = W8A8(h) (one quantization, one parallel GEMM);
+//   optional per-head q/k rmsnorm (Qwen3); RoPE; k, v written to the cache at
+//   [start, start + T); attention of row i over keys [0, start + i]; x += W8A8_o(attn);
+//   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
+// Every row is computed on its own, in a fixed order, whatever T is: a token's result is
+// bitwise the same whether it is verified alone or with drafts (row invariance), which is
+// what keeps greedy speculative output identical to greedy autoregressive output.
+// Not bitwise equal to the PyTorch path (different summation orders, a polynomial exp),
+// only close: tests compare logits within a tolerance.
+//
+// Needs AVX512 (VNNI for the GEMMs); the Python side only calls it when
+// int8_small_m_supported() is true. The AVX512 functions carry a target attribute, so the
+// library itself is built without -march flags.
+
+#include "int8_gemm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define QUASAR_LAYER_KERNEL 1
+#include <immintrin.h>
+#define QUASAR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;  // verifier steps; longer prefills use the PyTorch path
+constexpr int64_t kRowBlock = 8;  // small_m_gemm's largest M
+
+#ifdef QUASAR_LAYER_KERNEL
+
+QUASAR_AVX512 inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// exp(x) for x <= 88: 2^n * p(r), n = round(x / ln 2), |r| <= ln 2 / 2, p the degree-7
+// Taylor-like polynomial of Cephes' expf (relative error ~1e-7); inputs below -87 give ~0.
+QUASAR_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+QUASAR_AVX512 inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 m = tail_mask(n - d);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// out[r] = w[r] * (x[r] * (1 / sqrt(mean(x^2) + eps))) for each of `rows` rows of length n.
+QUASAR_AVX512 void rms_norm(const float* x, int64_t rows, int64_t n, const float* w, float eps,
+                            float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* o = out + r * n;
+    const float inv = 1.0f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t d = 0; d < n; d += 16) {
+      const __mmask16 m = tail_mask(n - d);
+      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + d), vinv);
+      _mm512_mask_storeu_ps(o + d, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v));
+    }
+  }
+}
+
+// Rotary embedding of one head vector in place (rotate_half convention: the first and
+// second halves are the pairs).
+inline void rope(float* v, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = v[j], b = v[j + half];
+    v[j] = a * cos[j] - b * sin[j];
+    v[j + half] = b * cos[j + half] + a * sin[j + half];
+  }
+}
+
+// out[i] = softmax(q_i . K[0..start+i] * scale) V for the query rows of one head; K and V
+// [S, d] rows of this head's kv group. `scores` has room for start + rows floats.
+QUASAR_AVX512 void attend(const float* q, int64_t q_stride, const float* k, const float* v,
+                          int64_t d, int64_t start, int64_t rows, float scale, float* scores,
+                          float* out, int64_t out_stride) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* qi = q + i * q_stride;
+    const int64_t n = start + i + 1;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      const float s = dot(qi, k + j * d, d) * scale;
+      scores[j] = s;
+      mx = std::max(mx, s);
+    }
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), vmx)));
+      _mm512_mask_storeu_ps(scores + j, m, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+    float* o = out + i * out_stride;
+    for (int64_t c = 0; c < d; c += 16) {
+      const __mmask16 m = tail_mask(d - c);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, v + j * d + c), acc);
+      _mm512_mask_storeu_ps(o + c, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    }
+  }
+}
+
+// act[r, c] = silu(gu[r, c]) * gu[r, inter + c]: gate and up side by side in gu.
+QUASAR_AVX512 void silu_mul(const float* gu, int64_t rows, int64_t inter, float* act) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * inter;
+    const float* u = g + inter;
+    float* o = act + r * inter;
+    for (int64_t c = 0; c < inter; c += 16) {
+      const __mmask16 m = tail_mask(inter - c);
+      const __m512 gv = _mm512_maskz_loadu_ps(m, g + c);
+      const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      _mm512_mask_storeu_ps(o + c, m, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(m, u + c)));
+    }
+  }
+}
+
+QUASAR_AVX512 void add_into(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(x + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+#endif  // QUASAR_LAYER_KERNEL
+
+const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
+              "w8a8_decoder_layer: ", what, " must be a contiguous float32 tensor of ", numel,
+              " elements");
+  return t.data_ptr<float>();
+}
+
+// One Int8Linear's buffers as a GEMM segment writing columns [col, col + N).
+quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& comp,
+                            int64_t in_features, int64_t col) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() &&
+                  w.size(1) == in_features,
+              "w8a8_decoder_layer: weight must be a contiguous int8 [N, ", in_features, "]");
+  const int64_t n = w.size(0);
+  TORCH_CHECK(comp.scalar_type() == at::kInt && comp.is_contiguous() && comp.numel() == n,
+              "w8a8_decoder_layer: comp must be int32 [N]");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) b = float_data(*bias, n, "bias");
+  return {w.data_ptr<int8_t>(), n, comp.data_ptr<int32_t>(), float_data(scale, n, "weight_scale"),
+          b, col};
+}
+
+// y [rows, y_stride] columns of `segs` = W8A8(x [rows, K]).
+void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs,
+               int64_t n_segs, float* y, int64_t y_stride) {
+  std::vector<uint8_t> q(rows * k);
+  std::vector<float> sx(rows);
+  quasar::quantize_rows_u8(x, rows, k, q.data(), sx.data());
+  for (int64_t r = 0; r < rows; r += kRowBlock)
+    quasar::small_m_gemm(q.data() + r * k, std::min(kRowBlock, rows - r), k, segs, n_segs,
+                         sx.data() + r, y + r * y_stride, y_stride);
+}
+
+}  // namespace
+
+// x [1, T, H] float32 -> the layer's output [1, T, H]; k_cache / v_cache [L, 1, KVH, S, D]
+// float32 get rows [start, start + T) of `layer`. weights / scales / biases / comps: the
+// seven Int8Linears q, k, v, o, gate, up, down (comp = 128 * rowsum(weight), int32 [N]).
+at::Tensor w8a8_decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer,
+                              int64_t start, const at::Tensor& in_norm, const at::Tensor& post_norm,
+                              const std::optional<at::Tensor>& q_norm,
+                              const std::optional<at::Tensor>& k_norm, double eps,
+                              at::TensorList weights, at::TensorList scales,
+                              const c10::List<std::optional<at::Tensor>>& biases,
+                              at::TensorList comps, int64_t n_heads, int64_t n_kv_heads) {
+#ifdef QUASAR_LAYER_KERNEL
+  TORCH_CHECK(quasar::cpu_has_vnni(), "w8a8_decoder_layer needs an AVX512-VNNI CPU");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "w8a8_decoder_layer: x must be contiguous float32 [1, T, H]");
+  const int64_t T = x.size(1), H = x.size(2);
+  TORCH_CHECK(T >= 1 && T <= kMaxRows, "w8a8_decoder_layer: 1..", kMaxRows, " rows, got ", T);
+  TORCH_CHECK(weights.size() == 7 && scales.size() == 7 && biases.size() == 7 && comps.size() == 7,
+              "w8a8_decoder_layer: 7 linears (q, k, v, o, gate, up, down)");
+  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+              "w8a8_decoder_layer: n_heads must be a multiple of n_kv_heads");
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && k_cache.size(1) == 1 &&
+                  k_cache.size(2) == n_kv_heads,
+              "w8a8_decoder_layer: caches must be contiguous float32 [L, 1, KVH, S, D]");
+  const int64_t D = k_cache.size(4), S = k_cache.size(3);
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "w8a8_decoder_layer: bad layer index");
+  TORCH_CHECK(start >= 0 && start + T <= S, "w8a8_decoder_layer: rows past the cache");
+  TORCH_CHECK(D % 2 == 0, "w8a8_decoder_layer: odd head_dim");
+  const float* cs = float_data(cos, T * D, "cos");
+  const float* sn = float_data(sin, T * D, "sin");
+  const float* w_in = float_data(in_norm, H, "input_layernorm");
+  const float* w_post = float_data(post_norm, H, "post_attention_layernorm");
+  const float* w_qn = q_norm.has_value() && q_norm->defined() ? float_data(*q_norm, D, "q_norm") : nullptr;
+  const float* w_kn = k_norm.has_value() && k_norm->defined() ? float_data(*k_norm, D, "k_norm") : nullptr;
+  const float feps = static_cast<float>(eps);
+
+  const int64_t nq = n_heads * D, nkv = n_kv_heads * D, nqkv = nq + 2 * nkv;
+  const int64_t inter = weights[4].size(0);
+  TORCH_CHECK(weights[0].size(0) == nq && weights[1].size(0) == nkv && weights[2].size(0) == nkv &&
+                  weights[3].size(0) == H && weights[5].size(0) == inter &&
+                  weights[6].size(0) == H,
+              "w8a8_decoder_layer: linear shapes do not match the heads");
+  const quasar::Int8Segment qkv[3] = {segment(weights[0], scales[0], biases[0], comps[0], H, 0),
+                                      segment(weights[1], scales[1], biases[1], comps[1], H, nq),
+                                      segment(weights[2], scales[2], biases[2], comps[2], H, nq + nkv)};
+  const quasar::Int8Segment o_seg = segment(weights[3], scales[3], biases[3], comps[3], nq, 0);
+  const quasar::Int8Segment gate_up[2] = {segment(weights[4], scales[4], biases[4], comps[4], H, 0),
+                                          segment(weights[5], scales[5], biases[5], comps[5], H, inter)};
+  const quasar::Int8Segment down_seg = segment(weights[6], scales[6], biases[6], comps[6], inter, 0);
+
+  at::Tensor out = x.clone();  // the residual stream, updated in place below
+  float* xs = out.data_ptr<float>();
+  std::vector<float> h(T * H), proj(T * std::max(nqkv, H)), attn(T * nq), gu(T * 2 * inter),
+      act(T * inter);
+
+  // attention block
+  rms_norm(xs, T, H, w_in, feps, h.data());
+  int8_rows(h.data(), T, H, qkv, 3, proj.data(), nqkv);
+  float* kc = k_cache.data_ptr<float>() + layer * n_kv_heads * S * D;
+  float* vc = v_cache.data_ptr<float>() + layer * n_kv_heads * S * D;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = proj.data() + t * nqkv;
+    if (w_qn) rms_norm(row, n_heads, D, w_qn, feps, row);
+    if (w_kn) rms_norm(row + nq, n_kv_heads, D, w_kn, feps, row + nq);
+    for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
+    for (int64_t g = 0; g < n_kv_heads; ++g) {
+      std::copy_n(row + nq + g * D, D, kc + (g * S + start + t) * D);
+      std::copy_n(row + nq + nkv + g * D, D, vc + (g * S + start + t) * D);
+    }
+  }
+  const int64_t group = n_heads / n_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, n_heads, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> scores(start + T);
+    for (int64_t hd = h0; hd < h1; ++hd) {
+      const int64_t g = hd / group;
+      attend(proj.data() + hd * D, nqkv, kc + g * S * D, vc + g * S * D, D, start, T, scale,
+             scores.data(), attn.data() + hd * D, nq);
+    }
+  });
+  int8_rows(attn.data(), T, nq, &o_seg, 1, proj.data(), H);
+  add_into(xs, proj.data(), T * H);
+
+  // MLP block
+  rms_norm(xs, T, H, w_post, feps, h.data());
+  int8_rows(h.data(), T, H, gate_up, 2, gu.data(), 2 * inter);
+  silu_mul(gu.data(), T, inter, act.data());
+  int8_rows(act.data(), T, inter, &down_seg, 1, proj.data(), H);
+  add_into(xs, proj.data(), T * H);
+  return out;
+#else
+  TORCH_CHECK(false, "w8a8_decoder_layer: not compiled for this CPU");
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
+  m.def(
+      "w8a8_decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "int layer, int start, Tensor in_norm, Tensor post_norm, Tensor? q_norm, Tensor? k_norm, "
+      "float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, Tensor[] comps, int n_heads, "
+      "int n_kv_heads) -> Tensor");
+  m.impl("w8a8_decoder_layer", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layer));
+}

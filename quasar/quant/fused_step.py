@@ -1,0 +1,120 @@
+"""Verifier steps of a W8A8 model with one C++ call per decoder layer.
+
+At 135M parameters a 1..9-token step spent ~23 ms where its int8 weights take ~5 ms to
+read: ~50 small ATen ops per layer (norms, RoPE, one attention call per query for row
+invariance, residuals) cost more than the GEMMs. ``csrc/decoder_layer.cpp`` runs a whole
+layer between the same VNNI GEMMs Int8Linear uses; :class:`FusedW8A8Step` feeds it the
+layer's own buffers (the module tree is not copied or forked) and
+``Transformer.forward`` calls it for steps of at most ``ROW_INVARIANT_MAX_T`` tokens.
+
+Each row is computed alone in a fixed order, so a token's logits are bitwise the same
+whether it is verified alone or with drafts (greedy speculative == greedy autoregressive
+stays exact). The layer is not bitwise the PyTorch path (summation order, a polynomial
+exp): its logits are close, which tests check. Prefills longer than the step limit take
+the PyTorch path; both write the same KV cache layout.
+
+It applies when every decoder linear is an ``Int8Linear`` on the ``cpu`` backend, the
+model and its cache are float32 on the CPU, and the C++ ops load on an AVX512-VNNI CPU
+(``QUASAR_NO_EXT=1`` turns it off with the rest of the extension); otherwise
+``__call__`` returns None and the model runs its modules. The per-layer argument lists
+are built once and rebuilt when a module's tensors are replaced (loading, ``.to()``) or
+an Int8Linear is repacked (call ``Int8Linear.repack()`` after editing weights in place).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from quasar.quant.int8 import Int8Linear
+
+__all__ = ["FusedW8A8Step", "install"]
+
+_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+            ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+class FusedW8A8Step:
+    """``step(x, cos, sin, cache, start)`` -> the hidden states after all decoder layers,
+    or None when the fused layer does not apply (then run the modules)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._op: Any = None
+        self._plan: list[tuple] | None = None
+        self._watch: list[tuple[dict, str, Any]] = []  # (owner dict, key, object) to recheck
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int) -> Tensor | None:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1 or cache.k.dtype != torch.float32:
+            return None
+        if self._plan is None or not all(d.get(k) is v for d, k, v in self._watch):
+            if not self._build():
+                return None
+        cfg = self.model.config
+        op, eps, heads, kv_heads = self._op, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads
+        x = x.contiguous()
+        for i, args in enumerate(self._plan):
+            x = op(x, cos, sin, cache.k, cache.v, i, start, *args[:4], eps, *args[4:], heads, kv_heads)
+        return x
+
+    def _build(self) -> bool:
+        """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
+        self._plan, self._watch = None, []
+        from quasar.quant import ext
+
+        if ext.int8_linear_op() is None:
+            return False
+        self._op = ext.decoder_layer_op()
+        if self._op is None:
+            return False
+        layers = self.model.model.layers
+        plan = []
+        # Anything swapped later (a module, a tensor, a repack) invalidates the plan.
+        watch = [(self.model.model._modules, "layers", layers)]
+        for idx, layer in enumerate(layers):
+            watch += [(layers._modules, str(idx), layer), (layer._modules, "self_attn", layer.self_attn),
+                      (layer._modules, "mlp", layer.mlp)]
+            watch += [(getattr(layer, block)._modules, name, getattr(getattr(layer, block), name))
+                      for block, name in _LINEARS]
+            linears = [getattr(getattr(layer, block), name) for block, name in _LINEARS]
+            if not all(isinstance(m, Int8Linear) and m.resolved_backend() == "cpu" for m in linears):
+                return False
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            attn = layer.self_attn
+            norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+            if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
+                return False
+            weights, scales, biases, comps = [], [], [], []
+            for m in linears:
+                if m._packed is None:
+                    m.repack()
+                w, s, b = m._buffers["weight"], m._buffers["weight_scale"], m._buffers["bias"]
+                if not (w.is_contiguous() and s.dtype == torch.float32 and s.is_contiguous()):
+                    return False
+                if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
+                    return False
+                weights.append(w)
+                scales.append(s)
+                biases.append(b)
+                comps.append(w.sum(dim=1, dtype=torch.int32).mul_(128))
+                watch += [(m._buffers, "weight", w), (m._buffers, "weight_scale", s), (m._buffers, "bias", b),
+                          (m.__dict__, "_packed", m._packed)]
+            for n in norms:
+                watch.append((n._parameters, "weight", n.weight))
+            watch += [(layer._modules, "input_layernorm", layer.input_layernorm),
+                      (layer._modules, "post_attention_layernorm", layer.post_attention_layernorm)]
+            if attn.qk_norm:
+                watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
+            q_norm = attn.q_norm.weight if attn.qk_norm else None
+            k_norm = attn.k_norm.weight if attn.qk_norm else None
+            plan.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
+                         weights, scales, biases, comps))
+        self._plan, self._watch = plan, watch
+        return True
+
+
+def install(model: nn.Module) -> None:
+    """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called)."""
+    model.step_kernel = FusedW8A8Step(model)

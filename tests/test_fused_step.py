@@ -1,0 +1,117 @@
+"""The fused W8A8 decoder layer (quasar.quant.fused_step): it is really used, its logits
+stay as close to the float model as the module path's, a token's logits do not depend on
+the tokens verified with it, and it gets out of the way when it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from quasar.models.llama import Transformer
+from quasar.models.loader import load_model
+from quasar.quant import ext
+from quasar.quant.checkpoint import save_checkpoint
+from quasar.quant.int8 import Int8Linear
+from quasar.quant.quantize import build_w8a8
+
+pytestmark = pytest.mark.skipif(ext.decoder_layer_op() is None,
+                                reason="the fused layer needs the C++ ops on an AVX512-VNNI CPU")
+
+CALIB = ("The committee met on Tuesday to review the annual budget and the new transit plan.\n"
+         "def mean(xs):\n    return sum(xs) / len(xs)\n") * 12
+PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who went out"
+ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, default_model_dir):
+    """arch -> (float model, W8A8 model, prompt ids) on tiny random models."""
+    root = tmp_path_factory.mktemp("fused")
+    out = {}
+    for arch in ARCHS:
+        loaded = load_model(make_tiny_model(root / arch, arch, default_model_dir))
+        q = build_w8a8(loaded.model, loaded.tokenizer, calib_text=CALIB, samples=2, seq_len=48, progress=False)
+        out[arch] = (loaded.model, q, loaded.tokenizer.encode(PROMPT))
+    return out
+
+
+def step_logits(model: Transformer, ids: list[int], k: int, fused: bool) -> torch.Tensor:
+    """Prefill all but the last k tokens, then one k-token step; its logits [k, vocab]."""
+    kernel = model.step_kernel
+    if not fused:
+        model.step_kernel = None
+    try:
+        model.setup_cache(256)
+        model(torch.tensor([ids[:-k]]), logits="none")
+        return model(torch.tensor([ids[-k:]]))[0]
+    finally:
+        model.step_kernel = kernel
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch):
+    fp, q, ids = models[arch]
+    kernel, calls = q.step_kernel, []
+
+    def spy(*args):
+        y = kernel(*args)
+        calls.append(y is not None)
+        return y
+
+    q.step_kernel = spy
+    try:
+        fused = step_logits(q, ids, 6, fused=True)
+    finally:
+        q.step_kernel = kernel
+    assert calls and all(calls), "the fused layer did not run"
+    modules = step_logits(q, ids, 6, fused=False)
+    ref = step_logits(fp, ids, 6, fused=False)
+    scale = ref.abs().max()
+    err_fused = float((fused - ref).abs().max() / scale)
+    err_modules = float((modules - ref).abs().max() / scale)
+    assert err_fused <= 1.5 * err_modules + 1e-3, (err_fused, err_modules)
+    # The same computation up to float rounding (and the int8 flips it can cause).
+    assert float((fused - modules).abs().max() / scale) < 0.05
+    assert (fused.argmax(-1) == modules.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("k", [6, 12])
+def test_row_invariance_of_the_fused_layer(models, k):
+    """Rows computed one at a time equal the same rows in one k-token step, bitwise (also
+    past 8 rows, where the GEMM runs in row blocks)."""
+    _, q, ids = models["qwen3"]
+    together = step_logits(q, ids, k, fused=True)
+    q.setup_cache(256)
+    q(torch.tensor([ids[:-k]]), logits="none")
+    alone = torch.cat([q(torch.tensor([[t]]))[0] for t in ids[-k:]])
+    assert torch.equal(alone, together)
+
+
+def test_checkpoint_reload_and_replaced_weights(models, default_model_dir, tmp_path):
+    """A reloaded checkpoint runs the fused layer with the same bits; replacing a weight
+    rebuilds the plan (the step must never run stale weights)."""
+    _, q, ids = models["llama"]
+    before = step_logits(q, ids, 3, fused=True)
+    loaded = load_model(save_checkpoint(q, tmp_path / "ckpt", default_model_dir)).model
+    assert loaded.step_kernel is not None
+    assert torch.equal(step_logits(loaded, ids, 3, fused=True), before)
+    lin: Int8Linear = q.model.layers[0].mlp.down_proj
+    old = lin.weight
+    try:
+        lin.weight = torch.zeros_like(old)
+        assert not torch.equal(step_logits(q, ids, 3, fused=True), before)
+    finally:
+        lin.weight = old
+    assert torch.equal(step_logits(q, ids, 3, fused=True), before)
+
+
+def test_not_applicable_falls_back(models, monkeypatch):
+    fp, q, ids = models["llama"]
+    assert getattr(fp, "step_kernel", None) is None  # float models run their modules
+    monkeypatch.setattr(ext, "decoder_layer_op", lambda: None)
+    q.step_kernel._plan = None
+    torch.testing.assert_close(step_logits(q, ids, 4, fused=True), step_logits(q, ids, 4, fused=False),
+                               rtol=0, atol=0)
+    monkeypatch.undo()
+    q.step_kernel._plan = None
