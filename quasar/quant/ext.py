@@ -104,9 +104,9 @@ def small_m_max(value: int | None = None) -> int:
 
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.quasar_quant.w8a8_decoder_layer`` when the op is loaded and this CPU
+    """``torch.ops.quasar_quant.w8a8_decoder_layers`` when the op is loaded and this CPU
     runs it (AVX512-VNNI), else None."""
-    return torch.ops.quasar_quant.w8a8_decoder_layer if small_m_supported() else None
+    return torch.ops.quasar_quant.w8a8_decoder_layers if small_m_supported() else None
 
 
 def info() -> dict[str, Any]:

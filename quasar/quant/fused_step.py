@@ -3,8 +3,8 @@
 At 135M parameters a 1..9-token step spent ~23 ms where its int8 weights take ~5 ms to
 read: ~50 small ATen ops per layer (norms, RoPE, one attention call per query for row
 invariance, residuals) cost more than the GEMMs. ``csrc/decoder_layer.cpp`` runs a whole
-layer between the same VNNI GEMMs Int8Linear uses; :class:`FusedW8A8Step` feeds it the
-layer's own buffers (the module tree is not copied or forked) and
+layer between the same VNNI GEMMs Int8Linear uses, all layers in one call;
+:class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or forked) and
 ``Transformer.forward`` calls it for steps of at most ``ROW_INVARIANT_MAX_T`` tokens.
 
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
@@ -36,6 +36,9 @@ _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_p
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
+_HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the attention kernel's specialisations
+
+
 class FusedW8A8Step:
     """``step(x, cos, sin, cache, start)`` -> the hidden states after all decoder layers,
     or None when the fused layer does not apply (then run the modules)."""
@@ -43,7 +46,7 @@ class FusedW8A8Step:
     def __init__(self, model: nn.Module):
         self.model = model
         self._op: Any = None
-        self._plan: list[tuple] | None = None
+        self._plan: tuple[list, ...] | None = None  # flat per-layer argument lists of the op
         self._watch: list[tuple[dict, str, Any]] = []  # (owner dict, key, object) to recheck
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int) -> Tensor | None:
@@ -53,11 +56,9 @@ class FusedW8A8Step:
             if not self._build():
                 return None
         cfg = self.model.config
-        op, eps, heads, kv_heads = self._op, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads
-        x = x.contiguous()
-        for i, args in enumerate(self._plan):
-            x = op(x, cos, sin, cache.k, cache.v, i, start, *args[:4], eps, *args[4:], heads, kv_heads)
-        return x
+        norms, weights, scales, biases, comps = self._plan
+        return self._op(x.contiguous(), cos, sin, cache.k, cache.v, start, norms, cfg.rms_norm_eps, weights,
+                        scales, biases, comps, cfg.num_heads, cfg.num_kv_heads)
 
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
@@ -69,8 +70,10 @@ class FusedW8A8Step:
         self._op = ext.decoder_layer_op()
         if self._op is None:
             return False
+        if self.model.config.head_dim not in _HEAD_DIMS:
+            return False
         layers = self.model.model.layers
-        plan = []
+        norms, weights, scales, biases, comps = [], [], [], [], []
         # Anything swapped later (a module, a tensor, a repack) invalidates the plan.
         watch = [(self.model.model._modules, "layers", layers)]
         for idx, layer in enumerate(layers):
@@ -81,12 +84,11 @@ class FusedW8A8Step:
             linears = [getattr(getattr(layer, block), name) for block, name in _LINEARS]
             if not all(isinstance(m, Int8Linear) and m.resolved_backend() == "cpu" for m in linears):
                 return False
-            norms = [layer.input_layernorm, layer.post_attention_layernorm]
             attn = layer.self_attn
-            norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
-            if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms):
+            layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            layer_norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+            if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
                 return False
-            weights, scales, biases, comps = [], [], [], []
             for m in linears:
                 if m._packed is None:
                     m.repack()
@@ -101,17 +103,14 @@ class FusedW8A8Step:
                 comps.append(w.sum(dim=1, dtype=torch.int32).mul_(128))
                 watch += [(m._buffers, "weight", w), (m._buffers, "weight_scale", s), (m._buffers, "bias", b),
                           (m.__dict__, "_packed", m._packed)]
-            for n in norms:
+            for n in layer_norms:
                 watch.append((n._parameters, "weight", n.weight))
             watch += [(layer._modules, "input_layernorm", layer.input_layernorm),
                       (layer._modules, "post_attention_layernorm", layer.post_attention_layernorm)]
             if attn.qk_norm:
                 watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
-            q_norm = attn.q_norm.weight if attn.qk_norm else None
-            k_norm = attn.k_norm.weight if attn.qk_norm else None
-            plan.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
-                         weights, scales, biases, comps))
-        self._plan, self._watch = plan, watch
+            norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
+        self._plan, self._watch = (norms, weights, scales, biases, comps), watch
         return True
 
 

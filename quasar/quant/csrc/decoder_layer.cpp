@@ -1,4 +1,4 @@
-// One whole decoder layer of a W8A8 model for a verifier-sized step, in one call
+// All decoder layers of a W8A8 model for a verifier-sized step, in one call
 // (see quasar/quant/fused_step.py, which decides when it is used).
 //
 // Why: at 135M parameters a step of 1..9 tokens spends more time in ~50 small ATen ops per
@@ -107,21 +107,56 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t d) {
   }
 }
 
+// The 16 lane sums of a[0..15] as one vector, in key order: a tree of shuffles and adds
+// (each level halves the vectors) instead of 16 horizontal reductions.
+QUASAR_AVX512 inline __m512 sum16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // [a(2i) 8 partials | a(2i+1) 8 partials]
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane l: 4 partials of key 4i + l
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // lane l: 2 partials of key 8i + l, then of key 8i + 4 + l
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // element 4l + m holds key 4m + l; put key k at element k.
+  const __m512 out = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), out);
+}
+
 // out[i] = softmax(q_i . K[0..start+i] * scale) V for the query rows of one head; K and V
-// [S, d] rows of this head's kv group. `scores` has room for start + rows floats.
+// [S, 16C] rows of this head's kv group. `scores` has room for start + rows floats.
+template <int C>
 QUASAR_AVX512 void attend(const float* q, int64_t q_stride, const float* k, const float* v,
-                          int64_t d, int64_t start, int64_t rows, float scale, float* scores,
-                          float* out, int64_t out_stride) {
+                          int64_t start, int64_t rows, float scale, float* scores, float* out,
+                          int64_t out_stride) {
+  constexpr int64_t d = 16 * C;
   for (int64_t i = 0; i < rows; ++i) {
     const float* qi = q + i * q_stride;
     const int64_t n = start + i + 1;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) {
-      const float s = dot(qi, k + j * d, d) * scale;
-      scores[j] = s;
-      mx = std::max(mx, s);
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qi + 16 * c);
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, n - j0);
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int jj = 0; jj < 16; ++jj) {
+        acc[jj] = _mm512_setzero_ps();
+        if (jj < cnt) {
+          const float* kr = k + (j0 + jj) * d;
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) acc[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc[jj]);
+        }
+      }
+      const __mmask16 m = tail_mask(cnt);
+      const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + j0, m, sc);
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, sc);
     }
-    const __m512 vmx = _mm512_set1_ps(mx);
+    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 m = tail_mask(n - j);
@@ -130,14 +165,43 @@ QUASAR_AVX512 void attend(const float* q, int64_t q_stride, const float* k, cons
       vsum = _mm512_add_ps(vsum, e);
     }
     const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-    float* o = out + i * out_stride;
-    for (int64_t c = 0; c < d; c += 16) {
-      const __mmask16 m = tail_mask(d - c);
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; ++j)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, v + j * d + c), acc);
-      _mm512_mask_storeu_ps(o + c, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+    // Two keys per iteration into separate accumulators: 2C independent FMA chains.
+    __m512 a0[C], a1[C];
+    for (int c = 0; c < C; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const __m512 w0 = _mm512_set1_ps(scores[j]), w1 = _mm512_set1_ps(scores[j + 1]);
+      const float* v0 = v + j * d;
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
+        a1[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v0 + d + 16 * c), a1[c]);
+      }
     }
+    if (j < n) {
+      const __m512 w0 = _mm512_set1_ps(scores[j]);
+      for (int c = 0; c < C; ++c) a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + j * d + 16 * c), a0[c]);
+    }
+    float* o = out + i * out_stride;
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(a0[c], a1[c]), _mm512_set1_ps(inv)));
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, float,
+                          float*, float*, int64_t);
+
+AttendFn attend_for(int64_t d) {
+  switch (d) {
+    case 16: return attend<1>;
+    case 32: return attend<2>;
+    case 48: return attend<3>;
+    case 64: return attend<4>;
+    case 80: return attend<5>;
+    case 96: return attend<6>;
+    case 128: return attend<8>;
+    case 256: return attend<16>;
+    default: return nullptr;
   }
 }
 
@@ -168,7 +232,7 @@ QUASAR_AVX512 void add_into(float* x, const float* y, int64_t n) {
 
 const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
-              "w8a8_decoder_layer: ", what, " must be a contiguous float32 tensor of ", numel,
+              "w8a8_decoder_layers: ", what, " must be a contiguous float32 tensor of ", numel,
               " elements");
   return t.data_ptr<float>();
 }
@@ -179,10 +243,10 @@ quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& scale,
                             int64_t in_features, int64_t col) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() &&
                   w.size(1) == in_features,
-              "w8a8_decoder_layer: weight must be a contiguous int8 [N, ", in_features, "]");
+              "w8a8_decoder_layers: weight must be a contiguous int8 [N, ", in_features, "]");
   const int64_t n = w.size(0);
   TORCH_CHECK(comp.scalar_type() == at::kInt && comp.is_contiguous() && comp.numel() == n,
-              "w8a8_decoder_layer: comp must be int32 [N]");
+              "w8a8_decoder_layers: comp must be int32 [N]");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) b = float_data(*bias, n, "bias");
   return {w.data_ptr<int8_t>(), n, comp.data_ptr<int32_t>(), float_data(scale, n, "weight_scale"),
@@ -200,110 +264,137 @@ void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segmen
                          sx.data() + r, y + r * y_stride, y_stride);
 }
 
+// The linears of one layer as GEMM segments, checked against the head layout.
+struct LayerGemms {
+  quasar::Int8Segment qkv[3], o, gate_up[2], down;
+  int64_t inter;
+};
+
+LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
+                       const c10::List<std::optional<at::Tensor>>& biases, at::TensorList comps,
+                       int64_t base, int64_t H, int64_t nq, int64_t nkv) {
+  const auto w = [&](int64_t i) { return weights[base + i]; };
+  const auto seg = [&](int64_t i, int64_t in_features, int64_t col) {
+    return segment(weights[base + i], scales[base + i], biases.get(base + i), comps[base + i],
+                   in_features, col);
+  };
+  const int64_t inter = w(4).size(0);
+  TORCH_CHECK(w(0).size(0) == nq && w(1).size(0) == nkv && w(2).size(0) == nkv && w(3).size(0) == H &&
+                  w(5).size(0) == inter && w(6).size(0) == H,
+              "w8a8_decoder_layers: linear shapes do not match the heads");
+  return {{seg(0, H, 0), seg(1, H, nq), seg(2, H, nq + nkv)},
+          seg(3, nq, 0),
+          {seg(4, H, 0), seg(5, H, inter)},
+          seg(6, inter, 0),
+          inter};
+}
+
 }  // namespace
 
-// x [1, T, H] float32 -> the layer's output [1, T, H]; k_cache / v_cache [L, 1, KVH, S, D]
-// float32 get rows [start, start + T) of `layer`. weights / scales / biases / comps: the
-// seven Int8Linears q, k, v, o, gate, up, down (comp = 128 * rowsum(weight), int32 [N]).
-at::Tensor w8a8_decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                              at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer,
-                              int64_t start, const at::Tensor& in_norm, const at::Tensor& post_norm,
-                              const std::optional<at::Tensor>& q_norm,
-                              const std::optional<at::Tensor>& k_norm, double eps,
-                              at::TensorList weights, at::TensorList scales,
-                              const c10::List<std::optional<at::Tensor>>& biases,
-                              at::TensorList comps, int64_t n_heads, int64_t n_kv_heads) {
+// x [1, T, H] float32 -> the hidden states after all L layers [1, T, H]; k_cache / v_cache
+// [L, 1, KVH, S, D] float32 get rows [start, start + T). Per layer l, in order:
+// norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm, q_norm, k_norm (the last
+// two None without qk-norm); weights / scales / biases / comps[7l .. 7l+6] = the Int8Linears
+// q, k, v, o, gate, up, down (comp = 128 * rowsum(weight), int32 [N]).
+at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
+                               const c10::List<std::optional<at::Tensor>>& norms, double eps,
+                               at::TensorList weights, at::TensorList scales,
+                               const c10::List<std::optional<at::Tensor>>& biases,
+                               at::TensorList comps, int64_t n_heads, int64_t n_kv_heads) {
 #ifdef QUASAR_LAYER_KERNEL
-  TORCH_CHECK(quasar::cpu_has_vnni(), "w8a8_decoder_layer needs an AVX512-VNNI CPU");
+  TORCH_CHECK(quasar::cpu_has_vnni(), "w8a8_decoder_layers needs an AVX512-VNNI CPU");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "w8a8_decoder_layer: x must be contiguous float32 [1, T, H]");
+              "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
   const int64_t T = x.size(1), H = x.size(2);
-  TORCH_CHECK(T >= 1 && T <= kMaxRows, "w8a8_decoder_layer: 1..", kMaxRows, " rows, got ", T);
-  TORCH_CHECK(weights.size() == 7 && scales.size() == 7 && biases.size() == 7 && comps.size() == 7,
-              "w8a8_decoder_layer: 7 linears (q, k, v, o, gate, up, down)");
-  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-              "w8a8_decoder_layer: n_heads must be a multiple of n_kv_heads");
+  TORCH_CHECK(T >= 1 && T <= kMaxRows, "w8a8_decoder_layers: 1..", kMaxRows, " rows, got ", T);
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && k_cache.size(1) == 1 &&
                   k_cache.size(2) == n_kv_heads,
-              "w8a8_decoder_layer: caches must be contiguous float32 [L, 1, KVH, S, D]");
-  const int64_t D = k_cache.size(4), S = k_cache.size(3);
-  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "w8a8_decoder_layer: bad layer index");
-  TORCH_CHECK(start >= 0 && start + T <= S, "w8a8_decoder_layer: rows past the cache");
-  TORCH_CHECK(D % 2 == 0, "w8a8_decoder_layer: odd head_dim");
+              "w8a8_decoder_layers: caches must be contiguous float32 [L, 1, KVH, S, D]");
+  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+              "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
+  const int64_t L = k_cache.size(0), D = k_cache.size(4), S = k_cache.size(3);
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(weights.size()) == 7 * L &&
+                  static_cast<int64_t>(scales.size()) == 7 * L && static_cast<int64_t>(biases.size()) == 7 * L &&
+                  static_cast<int64_t>(comps.size()) == 7 * L,
+              "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
+  TORCH_CHECK(start >= 0 && start + T <= S, "w8a8_decoder_layers: rows past the cache");
+  const AttendFn attend_head = attend_for(D);
+  TORCH_CHECK(attend_head != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
   const float* cs = float_data(cos, T * D, "cos");
   const float* sn = float_data(sin, T * D, "sin");
-  const float* w_in = float_data(in_norm, H, "input_layernorm");
-  const float* w_post = float_data(post_norm, H, "post_attention_layernorm");
-  const float* w_qn = q_norm.has_value() && q_norm->defined() ? float_data(*q_norm, D, "q_norm") : nullptr;
-  const float* w_kn = k_norm.has_value() && k_norm->defined() ? float_data(*k_norm, D, "k_norm") : nullptr;
   const float feps = static_cast<float>(eps);
-
   const int64_t nq = n_heads * D, nkv = n_kv_heads * D, nqkv = nq + 2 * nkv;
-  const int64_t inter = weights[4].size(0);
-  TORCH_CHECK(weights[0].size(0) == nq && weights[1].size(0) == nkv && weights[2].size(0) == nkv &&
-                  weights[3].size(0) == H && weights[5].size(0) == inter &&
-                  weights[6].size(0) == H,
-              "w8a8_decoder_layer: linear shapes do not match the heads");
-  const quasar::Int8Segment qkv[3] = {segment(weights[0], scales[0], biases[0], comps[0], H, 0),
-                                      segment(weights[1], scales[1], biases[1], comps[1], H, nq),
-                                      segment(weights[2], scales[2], biases[2], comps[2], H, nq + nkv)};
-  const quasar::Int8Segment o_seg = segment(weights[3], scales[3], biases[3], comps[3], nq, 0);
-  const quasar::Int8Segment gate_up[2] = {segment(weights[4], scales[4], biases[4], comps[4], H, 0),
-                                          segment(weights[5], scales[5], biases[5], comps[5], H, inter)};
-  const quasar::Int8Segment down_seg = segment(weights[6], scales[6], biases[6], comps[6], inter, 0);
-
-  at::Tensor out = x.clone();  // the residual stream, updated in place below
-  float* xs = out.data_ptr<float>();
-  std::vector<float> h(T * H), proj(T * std::max(nqkv, H)), attn(T * nq), gu(T * 2 * inter),
-      act(T * inter);
-
-  // attention block
-  rms_norm(xs, T, H, w_in, feps, h.data());
-  int8_rows(h.data(), T, H, qkv, 3, proj.data(), nqkv);
-  float* kc = k_cache.data_ptr<float>() + layer * n_kv_heads * S * D;
-  float* vc = v_cache.data_ptr<float>() + layer * n_kv_heads * S * D;
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = proj.data() + t * nqkv;
-    if (w_qn) rms_norm(row, n_heads, D, w_qn, feps, row);
-    if (w_kn) rms_norm(row + nq, n_kv_heads, D, w_kn, feps, row + nq);
-    for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
-    for (int64_t g = 0; g < n_kv_heads; ++g) {
-      std::copy_n(row + nq + g * D, D, kc + (g * S + start + t) * D);
-      std::copy_n(row + nq + nkv + g * D, D, vc + (g * S + start + t) * D);
-    }
-  }
   const int64_t group = n_heads / n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, n_heads, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> scores(start + T);
-    for (int64_t hd = h0; hd < h1; ++hd) {
-      const int64_t g = hd / group;
-      attend(proj.data() + hd * D, nqkv, kc + g * S * D, vc + g * S * D, D, start, T, scale,
-             scores.data(), attn.data() + hd * D, nq);
-    }
-  });
-  int8_rows(attn.data(), T, nq, &o_seg, 1, proj.data(), H);
-  add_into(xs, proj.data(), T * H);
 
-  // MLP block
-  rms_norm(xs, T, H, w_post, feps, h.data());
-  int8_rows(h.data(), T, H, gate_up, 2, gu.data(), 2 * inter);
-  silu_mul(gu.data(), T, inter, act.data());
-  int8_rows(act.data(), T, inter, &down_seg, 1, proj.data(), H);
-  add_into(xs, proj.data(), T * H);
+  std::vector<LayerGemms> gemms;
+  int64_t inter_max = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    gemms.push_back(layer_gemms(weights, scales, biases, comps, 7 * l, H, nq, nkv));
+    inter_max = std::max(inter_max, gemms.back().inter);
+  }
+  at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
+  float* xs = out.data_ptr<float>();
+  std::vector<float> h(T * H), proj(T * std::max(nqkv, H)), attn(T * nq), gu(T * 2 * inter_max),
+      act(T * inter_max);
+
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerGemms& g = gemms[l];
+    const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
+    TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
+                "w8a8_decoder_layers: missing layer norm");
+    const float* w_in = float_data(*norms.get(4 * l), H, "input_layernorm");
+    const float* w_post = float_data(*norms.get(4 * l + 1), H, "post_attention_layernorm");
+    const float* w_qn = qn.has_value() && qn->defined() ? float_data(*qn, D, "q_norm") : nullptr;
+    const float* w_kn = kn.has_value() && kn->defined() ? float_data(*kn, D, "k_norm") : nullptr;
+
+    // attention block
+    rms_norm(xs, T, H, w_in, feps, h.data());
+    int8_rows(h.data(), T, H, g.qkv, 3, proj.data(), nqkv);
+    float* kc = k_cache.data_ptr<float>() + l * n_kv_heads * S * D;
+    float* vc = v_cache.data_ptr<float>() + l * n_kv_heads * S * D;
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = proj.data() + t * nqkv;
+      if (w_qn) rms_norm(row, n_heads, D, w_qn, feps, row);
+      if (w_kn) rms_norm(row + nq, n_kv_heads, D, w_kn, feps, row + nq);
+      for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
+      for (int64_t kv = 0; kv < n_kv_heads; ++kv) {
+        std::copy_n(row + nq + kv * D, D, kc + (kv * S + start + t) * D);
+        std::copy_n(row + nq + nkv + kv * D, D, vc + (kv * S + start + t) * D);
+      }
+    }
+    // (head, row) pairs over the threads; each row of a head is independent.
+    at::parallel_for(0, n_heads * T, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> scores(start + T);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t hd = p / T, t = p % T, kv = hd / group;
+        attend_head(proj.data() + t * nqkv + hd * D, nqkv, kc + kv * S * D, vc + kv * S * D, start + t,
+                    1, scale, scores.data(), attn.data() + t * nq + hd * D, nq);
+      }
+    });
+    int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H);
+    add_into(xs, proj.data(), T * H);
+
+    // MLP block
+    rms_norm(xs, T, H, w_post, feps, h.data());
+    int8_rows(h.data(), T, H, g.gate_up, 2, gu.data(), 2 * g.inter);
+    silu_mul(gu.data(), T, g.inter, act.data());
+    int8_rows(act.data(), T, g.inter, &g.down, 1, proj.data(), H);
+    add_into(xs, proj.data(), T * H);
+  }
   return out;
 #else
-  TORCH_CHECK(false, "w8a8_decoder_layer: not compiled for this CPU");
+  TORCH_CHECK(false, "w8a8_decoder_layers: not compiled for this CPU");
 #endif
 }
 
 TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
   m.def(
-      "w8a8_decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "int layer, int start, Tensor in_norm, Tensor post_norm, Tensor? q_norm, Tensor? k_norm, "
-      "float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, Tensor[] comps, int n_heads, "
-      "int n_kv_heads) -> Tensor");
-  m.impl("w8a8_decoder_layer", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layer));
+      "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "int start, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
+      "Tensor[] comps, int n_heads, int n_kv_heads) -> Tensor");
+  m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 }
