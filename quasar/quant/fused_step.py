@@ -1,11 +1,12 @@
-"""Verifier steps of a W8A8 model with one C++ call per decoder layer.
+"""Verifier steps of a W8A8 model in one C++ call for all decoder layers.
 
 At 135M parameters a 1..9-token step spent ~23 ms where its int8 weights take ~5 ms to
 read: ~50 small ATen ops per layer (norms, RoPE, one attention call per query for row
-invariance, residuals) cost more than the GEMMs. ``csrc/decoder_layer.cpp`` runs a whole
-layer between the same VNNI GEMMs Int8Linear uses, all layers in one call;
-:class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or forked) and
-``Transformer.forward`` calls it for steps of at most ``ROW_INVARIANT_MAX_T`` tokens.
+invariance, residuals) cost more than the GEMMs. ``csrc/decoder_layer.cpp`` runs each
+layer's glue as plain loops between the same VNNI GEMMs Int8Linear uses;
+:class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or
+forked) and ``Transformer.forward`` calls it for steps of at most ``ROW_INVARIANT_MAX_T``
+tokens.
 
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
 whether it is verified alone or with drafts (greedy speculative == greedy autoregressive
