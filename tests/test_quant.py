@@ -175,15 +175,21 @@ def _rows_alone_and_together(model: Transformer, ids: list[int], k: int = 6):
     return alone, together
 
 
-def test_token_logits_do_not_depend_on_other_tokens_in_the_step(llama, w8a8):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "modules"])
+def test_token_logits_do_not_depend_on_other_tokens_in_the_step(llama, w8a8, fused):
     """A token's logits are bitwise the same computed alone or with 5 other tokens: int8
     GEMMs are exact, activation scales per token, lm_head int8, attention row-invariant
-    for verifier steps. This is what makes greedy speculative == greedy autoregressive."""
+    for verifier steps. This is what makes greedy speculative == greedy autoregressive.
+    Both paths: the fused C++ step (where the CPU runs it) and the modules (elsewhere)."""
     set_backend(w8a8, "cpu")
+    kernel = w8a8.step_kernel
+    if not fused:
+        w8a8.step_kernel = None
     try:
         alone, together = _rows_alone_and_together(w8a8, llama.tokenizer.encode(PROMPT))
     finally:
         set_backend(w8a8, "auto")
+        w8a8.step_kernel = kernel
     assert torch.equal(alone, together)
 
 
