@@ -162,6 +162,14 @@ class Int8Linear(nn.Module):
         self._packed = (self.backend, weight, _version(weight), kernel.mm, packed, fused)
         return self._packed
 
+    def packed(self) -> tuple[str, Tensor, int | None, Any, Any, Any]:
+        """The kernel's weight layout for the current weight and backend, rebuilt when
+        either changed since it was made (see ``repack``)."""
+        c, weight = self._packed, self._buffers["weight"]
+        if c is None or c[0] != self.backend or c[1] is not weight or c[2] != _version(weight):
+            c = self.repack()
+        return c
+
     def forward(self, x: Tensor) -> Tensor:
         """Quantize x per token, int8 GEMM, ``acc * s_w * s_x`` (+ bias), in x's dtype."""
         if x.shape[-1] != self.in_features or not x.is_floating_point():
@@ -170,9 +178,7 @@ class Int8Linear(nn.Module):
                 f"got {x.dtype} {tuple(x.shape)}"
             )
         buffers = self._buffers  # direct dict access: this runs per layer per token
-        weight, c = buffers["weight"], self._packed
-        if c is None or c[0] != self.backend or c[1] is not weight or c[2] != _version(weight):
-            c = self.repack()
+        weight, c = buffers["weight"], self.packed()
         fused = c[5]
         if fused is not None and not (x.requires_grad and torch.is_grad_enabled()):
             # The `cpu` backend's C++ op (quasar.quant.ext): same bits, one call.

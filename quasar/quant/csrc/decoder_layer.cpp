@@ -126,70 +126,63 @@ QUASAR_AVX512 inline __m512 sum16(const __m512* a) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), out);
 }
 
-// out[i] = softmax(q_i . K[0..start+i] * scale) V for the query rows of one head; K and V
-// [S, 16C] rows of this head's kv group. `scores` has room for start + rows floats.
+// out = softmax(q . K[0..n) * scale) V for one query row of one head; K and V are [S, 16C]
+// rows of its kv group. `scores` has room for n floats.
 template <int C>
-QUASAR_AVX512 void attend(const float* q, int64_t q_stride, const float* k, const float* v,
-                          int64_t start, int64_t rows, float scale, float* scores, float* out,
-                          int64_t out_stride) {
+QUASAR_AVX512 void attend(const float* q, const float* k, const float* v, int64_t n, float scale,
+                          float* scores, float* out) {
   constexpr int64_t d = 16 * C;
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* qi = q + i * q_stride;
-    const int64_t n = start + i + 1;
-    __m512 qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qi + 16 * c);
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const int64_t cnt = std::min<int64_t>(16, n - j0);
-      __m512 acc[16];
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - j0);
+    __m512 acc[16];
 #pragma GCC unroll 16
-      for (int jj = 0; jj < 16; ++jj) {
-        acc[jj] = _mm512_setzero_ps();
-        if (jj < cnt) {
-          const float* kr = k + (j0 + jj) * d;
+    for (int jj = 0; jj < 16; ++jj) {
+      acc[jj] = _mm512_setzero_ps();
+      if (jj < cnt) {
+        const float* kr = k + (j0 + jj) * d;
 #pragma GCC unroll 8
-          for (int c = 0; c < C; ++c) acc[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc[jj]);
-        }
-      }
-      const __mmask16 m = tail_mask(cnt);
-      const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + j0, m, sc);
-      vmax = _mm512_mask_max_ps(vmax, m, vmax, sc);
-    }
-    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), vmx)));
-      _mm512_mask_storeu_ps(scores + j, m, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-    // Two keys per iteration into separate accumulators: 2C independent FMA chains.
-    __m512 a0[C], a1[C];
-    for (int c = 0; c < C; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const __m512 w0 = _mm512_set1_ps(scores[j]), w1 = _mm512_set1_ps(scores[j + 1]);
-      const float* v0 = v + j * d;
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
-        a1[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v0 + d + 16 * c), a1[c]);
+        for (int c = 0; c < C; ++c) acc[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc[jj]);
       }
     }
-    if (j < n) {
-      const __m512 w0 = _mm512_set1_ps(scores[j]);
-      for (int c = 0; c < C; ++c) a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + j * d + 16 * c), a0[c]);
-    }
-    float* o = out + i * out_stride;
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(a0[c], a1[c]), _mm512_set1_ps(inv)));
+    const __mmask16 m = tail_mask(cnt);
+    const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + j0, m, sc);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, sc);
   }
+  const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), vmx)));
+    _mm512_mask_storeu_ps(scores + j, m, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+  // Two keys per iteration into separate accumulators: 2C independent FMA chains.
+  __m512 a0[C], a1[C];
+  for (int c = 0; c < C; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const __m512 w0 = _mm512_set1_ps(scores[j]), w1 = _mm512_set1_ps(scores[j + 1]);
+    const float* v0 = v + j * d;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
+      a1[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v0 + d + 16 * c), a1[c]);
+    }
+  }
+  if (j < n) {
+    const __m512 w0 = _mm512_set1_ps(scores[j]);
+    for (int c = 0; c < C; ++c) a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + j * d + 16 * c), a0[c]);
+  }
+  for (int c = 0; c < C; ++c)
+    _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(a0[c], a1[c]), _mm512_set1_ps(inv)));
 }
 
-using AttendFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t, float,
-                          float*, float*, int64_t);
+using AttendFn = void (*)(const float*, const float*, const float*, int64_t, float, float*, float*);
 
 AttendFn attend_for(int64_t d) {
   switch (d) {
@@ -371,8 +364,8 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
       std::vector<float> scores(start + T);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t hd = p / T, t = p % T, kv = hd / group;
-        attend_head(proj.data() + t * nqkv + hd * D, nqkv, kc + kv * S * D, vc + kv * S * D, start + t,
-                    1, scale, scores.data(), attn.data() + t * nq + hd * D, nq);
+        attend_head(proj.data() + t * nqkv + hd * D, kc + kv * S * D, vc + kv * S * D, start + t + 1,
+                    scale, scores.data(), attn.data() + t * nq + hd * D);
       }
     });
     int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H);
