@@ -32,9 +32,17 @@ for tool in cmake g++; do
   fi
 done
 
-# CPU only: no CUDA/Metal/Vulkan; native instructions for this machine (AVX512/VNNI here);
-# OpenMP threading like llama.cpp's own default; no examples, tests or server.
-export CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
+# CPU only: no CUDA/Metal/Vulkan; OpenMP threading like llama.cpp's own default; no
+# examples, tests or server. Instruction sets are named from /proc/cpuinfo rather than
+# -march=native (GGML_NATIVE): many VMs advertise AMX without enabling its tile state, and
+# ggml's AMX path then dies with SIGILL on its first matrix multiply (seen on this machine),
+# so AMX stays off and the AVX512 / VNNI kernels are used.
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
+ISA="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) \
+-DGGML_BMI2=$(has bmi2) -DGGML_AVX_VNNI=$(has avx_vnni) -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512vbmi) \
+-DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+export CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=ON $ISA \
 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF ${LLAMA_CPP_CMAKE_ARGS:-}"
 export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
 export FORCE_CMAKE=1
@@ -47,5 +55,12 @@ import llama_cpp
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: F401
 
 assert hasattr(llama_cpp, "llama_model_quantize"), "this build lacks llama_model_quantize"
+
+# A few tokens of the default model's own GGUF: a build for instructions this CPU cannot
+# run fails here (SIGILL), not in the middle of a benchmark.
+from quasar import data
+
+llm = llama_cpp.Llama(str(data.default_model_path()), n_ctx=64, n_threads=2, verbose=False)
+assert llm("def add(a, b):", max_tokens=4)["choices"][0]["text"] is not None
 print(f"llama-cpp-python {llama_cpp.__version__} ready: quasar bench --peers llamacpp,llamacpp-pld,llamacpp-q8,llamacpp-pld-q8")
 EOF

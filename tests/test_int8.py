@@ -440,7 +440,7 @@ def small_m(ext_op):
 
     if not ext.small_m_supported():
         pytest.skip("CPU without AVX512-VNNI: the op always uses oneDNN")
-    old = ext.small_m_max(8)
+    old = ext.small_m_max(16)
     yield ext_op
     ext.small_m_max(old)
 
@@ -460,7 +460,7 @@ def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
         ws = torch.rand(n, 1, generator=gen) / 100
         bias = torch.randn(n, generator=gen)
         comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
-        for m in range(1, 9):
+        for m in range(1, 17):  # 9..16: a second pass over each chunk of weights
             x = _hard_rows(m, k, torch.float32)
             x[0] = torch.where(torch.arange(k) % 2 == 0, 3.0, -3.0)  # q = ±127: u8 255 / 1
             for b in (bias, None):
@@ -473,6 +473,25 @@ def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
                         assert torch.equal(small_m(x, w, ws, b, comp, True, False), got)
                     finally:
                         ext.small_m_max(old)
+
+
+def test_ext_parallel_loops_use_torch_threads(ext_op) -> None:
+    """The op's at::parallel_for really runs on torch's intra-op threads: built without
+    OpenMP it would quietly run every GEMM and attention loop on one core."""
+    import os
+
+    from quasar.quant import ext
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs at least 2 CPUs")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ext.parallel_threads() == 2
+        torch.set_num_threads(1)
+        assert ext.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_small_m_kernel_wraps_exactly(small_m) -> None:
@@ -508,10 +527,10 @@ def test_small_m_kernel_can_be_disabled(small_m, monkeypatch) -> None:
     plain = _without_ext(layer, monkeypatch)
     x = torch.randn(6, 576)
     y = layer(x)
-    assert ext.small_m_max(0) == 8 and ext.small_m_max() == 0
+    assert ext.small_m_max(0) == 16 and ext.small_m_max() == 0
     try:
         assert torch.equal(layer(x), y)  # oneDNN inside the op
     finally:
-        ext.small_m_max(8)
+        ext.small_m_max(16)
     assert torch.equal(plain(x), y)  # QUASAR_NO_EXT: the pure-PyTorch path
-    assert ext.small_m_max(99) == 8 and ext.small_m_max() == 8  # capped at 8
+    assert ext.small_m_max(99) == 16 and ext.small_m_max() == 16  # capped at 16

@@ -16,7 +16,7 @@ directory's ``lock`` file, then moves the library into place with an atomic rena
 processes that start meanwhile wait on the lock and then load the finished library. A
 killed builder releases the lock with its process and leaves no partial library behind.
 
-Small M: on a CPU with AVX512-VNNI the op computes M <= 8 rows (the speculative verifier's
+Small M: on a CPU with AVX512-VNNI the op computes M <= 16 rows (the speculative verifier's
 k + 1 tokens) with a hand-written kernel that reads the weight once, instead of oneDNN's
 ``_int_mm`` (~4x its M = 1 cost there); the int32s and hence the outputs are the same bits.
 :func:`small_m_max` reads or sets the threshold (0: always oneDNN), for benchmarks and tests.
@@ -52,6 +52,7 @@ __all__ = [
     "info",
     "decoder_layer_op",
     "int8_linear_op",
+    "parallel_threads",
     "small_m_max",
     "small_m_supported",
 ]
@@ -67,8 +68,11 @@ SOURCES = (CSRC / f"{NAME}.cpp", CSRC / "decoder_layer.cpp")
 HEADERS = (CSRC / "int8_gemm.h",)
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
-# and the loops it would speed up are a small part of the call.
-CFLAGS = ("-O3", "-ffp-contract=off")
+# and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for
+# is a header template whose OpenMP pragma is compiled here; without the flag every
+# "parallel" loop of these ops ran on one thread (one core's memory bandwidth).
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _op: Callable[..., torch.Tensor] | None = None
@@ -96,11 +100,19 @@ def small_m_supported() -> bool:
 
 
 def small_m_max(value: int | None = None) -> int:
-    """The largest M the op sends to its small-M kernel (0..8; 0 disables it); with
+    """The largest M the op sends to its small-M kernel (0..16; 0 disables it); with
     ``value``, set it process-wide and return the previous one. 0 without the op."""
     if int8_linear_op() is None:
         return 0
     return int(torch.ops.quasar_quant.int8_small_m_max(-1 if value is None else max(0, value)))
+
+
+def parallel_threads() -> int:
+    """How many threads the library's parallel loops run on right now (0 without the op):
+    torch's intra-op thread count when it was built with OpenMP, 1 when it was not."""
+    if int8_linear_op() is None:
+        return 0
+    return int(torch.ops.quasar_quant.parallel_threads())
 
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:
@@ -126,7 +138,7 @@ def _digest() -> str:
     h = hashlib.sha256()
     for part in (
         *(path.read_bytes() for path in (*SOURCES, *HEADERS)),
-        " ".join(CFLAGS).encode(),
+        " ".join(CFLAGS + LDFLAGS).encode(),
         torch.__version__.encode(),
         str(torch.version.git_version).encode(),
         str(torch.compiled_with_cxx11_abi()).encode(),
@@ -239,6 +251,7 @@ def _build(build_directory: Path, env_path: str) -> None:
                 name=NAME,
                 sources=[str(path) for path in SOURCES],
                 extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
                 build_directory=str(build_directory),
                 verbose=False,
                 is_python_module=False,

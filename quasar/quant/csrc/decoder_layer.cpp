@@ -44,7 +44,8 @@
 namespace {
 
 constexpr int64_t kMaxRows = 16;  // verifier steps; longer prefills use the PyTorch path
-constexpr int64_t kRowBlock = 8;  // small_m_gemm's largest M
+// Most query vectors one attention call takes (the rest go to further calls).
+constexpr int64_t kMaxGroupQueries = 16;
 
 #ifdef QUASAR_LAYER_KERNEL
 
@@ -126,74 +127,117 @@ QUASAR_AVX512 inline __m512 sum16(const __m512* a) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), out);
 }
 
-// out = softmax(q . K[0..n) * scale) V for one query row of one head; K and V are [S, 16C]
-// rows of its kv group. `scores` has room for n floats.
+// Attention of several query vectors that share one kv head (the heads of a GQA group and
+// the rows of a step): out_i = softmax(q_i . K[0..n_i) * scale) V, K and V [S, 16C] rows.
+// Keys are visited 16 at a time and each chunk of K (then V) is used by every query while
+// it sits in L1, so a kv head's cache is streamed once per call instead of once per query.
+// Each query's arithmetic (its scores, exp-sum and the two accumulation chains of its
+// output) is the same whatever the other queries are: grouping never changes a bit.
+// Scratch: `scores` nq * stride floats (stride >= max n), `acc` nq * 32C floats.
 template <int C>
-QUASAR_AVX512 void attend(const float* q, const float* k, const float* v, int64_t n, float scale,
-                          float* scores, float* out) {
+QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, float* const* outs, int64_t nq,
+                                const float* k, const float* v, float scale, float* scores,
+                                int64_t stride, float* acc) {
   constexpr int64_t d = 16 * C;
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t cnt = std::min<int64_t>(16, n - j0);
-    __m512 acc[16];
+  int64_t n_max = 0;
+  for (int64_t i = 0; i < nq; ++i) n_max = std::max(n_max, ns[i]);
+  alignas(64) float vmax[kMaxGroupQueries * 16];
+  for (int64_t i = 0; i < nq; ++i)
+    _mm512_store_ps(vmax + 16 * i, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  // scores = q . k * scale, 16 keys at a time
+  for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t cnt = std::min<int64_t>(16, ns[i] - j0);
+      if (cnt <= 0) continue;
+      __m512 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs[i] + 16 * c);
+      __m512 a[16];
 #pragma GCC unroll 16
-    for (int jj = 0; jj < 16; ++jj) {
-      acc[jj] = _mm512_setzero_ps();
-      if (jj < cnt) {
-        const float* kr = k + (j0 + jj) * d;
+      for (int jj = 0; jj < 16; ++jj) {
+        a[jj] = _mm512_setzero_ps();
+        if (jj < cnt) {
+          const float* kr = k + (j0 + jj) * d;
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc[jj]);
+          for (int c = 0; c < C; ++c) a[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a[jj]);
+        }
+      }
+      const __mmask16 m = tail_mask(cnt);
+      const __m512 sc = _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + i * stride + j0, m, sc);
+      _mm512_store_ps(vmax + 16 * i, _mm512_mask_max_ps(_mm512_load_ps(vmax + 16 * i), m,
+                                                        _mm512_load_ps(vmax + 16 * i), sc));
+    }
+  }
+  // softmax numerators in place; 1 / their sum per query
+  alignas(64) float inv[kMaxGroupQueries];
+  for (int64_t i = 0; i < nq; ++i) {
+    float* s = scores + i * stride;
+    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(vmax + 16 * i)));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < ns[i]; j += 16) {
+      const __mmask16 m = tail_mask(ns[i] - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx)));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    inv[i] = 1.0f / _mm512_reduce_add_ps(vsum);
+  }
+  // out = sum_j e_j v_j: even keys into one accumulator, odd keys into another (two
+  // independent FMA chains), kept in `acc` between 16-key chunks of V.
+  std::fill_n(acc, nq * 2 * d, 0.0f);
+  for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t j1 = std::min(j0 + 16, ns[i]);
+      if (j1 <= j0) continue;
+      const float* s = scores + i * stride;
+      float* ai = acc + i * 2 * d;
+      __m512 a0[C], a1[C];
+      for (int c = 0; c < C; ++c) {
+        a0[c] = _mm512_loadu_ps(ai + 16 * c);
+        a1[c] = _mm512_loadu_ps(ai + d + 16 * c);
+      }
+      int64_t j = j0;
+      for (; j + 2 <= j1; j += 2) {
+        const __m512 w0 = _mm512_set1_ps(s[j]), w1 = _mm512_set1_ps(s[j + 1]);
+        const float* v0 = v + j * d;
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
+          a1[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v0 + d + 16 * c), a1[c]);
+        }
+      }
+      if (j < j1) {  // an odd last key (chunks start even, so only at the query's end)
+        const __m512 w0 = _mm512_set1_ps(s[j]);
+        for (int c = 0; c < C; ++c) a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + j * d + 16 * c), a0[c]);
+      }
+      for (int c = 0; c < C; ++c) {
+        _mm512_storeu_ps(ai + 16 * c, a0[c]);
+        _mm512_storeu_ps(ai + d + 16 * c, a1[c]);
       }
     }
-    const __mmask16 m = tail_mask(cnt);
-    const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(scores + j0, m, sc);
-    vmax = _mm512_mask_max_ps(vmax, m, vmax, sc);
   }
-  const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = tail_mask(n - j);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), vmx)));
-    _mm512_mask_storeu_ps(scores + j, m, e);
-    vsum = _mm512_add_ps(vsum, e);
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* ai = acc + i * 2 * d;
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(outs[i] + 16 * c, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(ai + 16 * c),
+                                                                     _mm512_loadu_ps(ai + d + 16 * c)),
+                                                       _mm512_set1_ps(inv[i])));
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-  // Two keys per iteration into separate accumulators: 2C independent FMA chains.
-  __m512 a0[C], a1[C];
-  for (int c = 0; c < C; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 2 <= n; j += 2) {
-    const __m512 w0 = _mm512_set1_ps(scores[j]), w1 = _mm512_set1_ps(scores[j + 1]);
-    const float* v0 = v + j * d;
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
-      a1[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v0 + d + 16 * c), a1[c]);
-    }
-  }
-  if (j < n) {
-    const __m512 w0 = _mm512_set1_ps(scores[j]);
-    for (int c = 0; c < C; ++c) a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + j * d + 16 * c), a0[c]);
-  }
-  for (int c = 0; c < C; ++c)
-    _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(a0[c], a1[c]), _mm512_set1_ps(inv)));
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, float, float*, float*);
+using AttendFn = void (*)(const float* const*, const int64_t*, float* const*, int64_t, const float*,
+                          const float*, float, float*, int64_t, float*);
 
 AttendFn attend_for(int64_t d) {
   switch (d) {
-    case 16: return attend<1>;
-    case 32: return attend<2>;
-    case 48: return attend<3>;
-    case 64: return attend<4>;
-    case 80: return attend<5>;
-    case 96: return attend<6>;
-    case 128: return attend<8>;
-    case 256: return attend<16>;
+    case 16: return attend_group<1>;
+    case 32: return attend_group<2>;
+    case 48: return attend_group<3>;
+    case 64: return attend_group<4>;
+    case 80: return attend_group<5>;
+    case 96: return attend_group<6>;
+    case 128: return attend_group<8>;
+    case 256: return attend_group<16>;
     default: return nullptr;
   }
 }
@@ -252,9 +296,7 @@ void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segmen
   std::vector<uint8_t> q(rows * k);
   std::vector<float> sx(rows);
   quasar::quantize_rows_u8(x, rows, k, q.data(), sx.data());
-  for (int64_t r = 0; r < rows; r += kRowBlock)
-    quasar::small_m_gemm(q.data() + r * k, std::min(kRowBlock, rows - r), k, segs, n_segs,
-                         sx.data() + r, y + r * y_stride, y_stride);
+  quasar::small_m_gemm(q.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
 }
 
 // The linears of one layer as GEMM segments, checked against the head layout.
@@ -314,8 +356,8 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                   static_cast<int64_t>(comps.size()) == 7 * L,
               "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
   TORCH_CHECK(start >= 0 && start + T <= S, "w8a8_decoder_layers: rows past the cache");
-  const AttendFn attend_head = attend_for(D);
-  TORCH_CHECK(attend_head != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
+  const AttendFn attend = attend_for(D);
+  TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
   const float* cs = float_data(cos, T * D, "cos");
   const float* sn = float_data(sin, T * D, "sin");
   const float feps = static_cast<float>(eps);
@@ -359,13 +401,28 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
         std::copy_n(row + nq + nkv + kv * D, D, vc + (kv * S + start + t) * D);
       }
     }
-    // (head, row) pairs over the threads; each row of a head is independent.
-    at::parallel_for(0, n_heads * T, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<float> scores(start + T);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t hd = p / T, t = p % T, kv = hd / group;
-        attend_head(proj.data() + t * nqkv + hd * D, kc + kv * S * D, vc + kv * S * D, start + t + 1,
-                    scale, scores.data(), attn.data() + t * nq + hd * D);
+    // Work items: the query vectors (rows x heads) of one kv head, cut into `parts` pieces
+    // of at most kMaxGroupQueries so every thread gets some; each item streams its kv
+    // head's cache once. How queries are grouped never changes their results.
+    const int64_t per_kv = group * T;
+    const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries,
+                                                    (2 * at::get_num_threads() + n_kv_heads - 1) / n_kv_heads));
+    at::parallel_for(0, n_kv_heads * parts, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores(kMaxGroupQueries * (start + T)), acc(kMaxGroupQueries * 2 * D);
+      const float* qp[kMaxGroupQueries];
+      float* op[kMaxGroupQueries];
+      int64_t ns[kMaxGroupQueries];
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t kv = item / parts, part = item % parts;
+        const int64_t q0 = part * per_kv / parts, q1 = (part + 1) * per_kv / parts;
+        for (int64_t qi = q0; qi < q1; ++qi) {
+          const int64_t t = qi / group, hd = kv * group + qi % group;
+          qp[qi - q0] = proj.data() + t * nqkv + hd * D;
+          op[qi - q0] = attn.data() + t * nq + hd * D;
+          ns[qi - q0] = start + t + 1;
+        }
+        attend(qp, ns, op, q1 - q0, kc + kv * S * D, vc + kv * S * D, scale, scores.data(), start + T,
+               acc.data());
       }
     });
     int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H);

@@ -9,7 +9,7 @@
 // Build with -ffp-contract=off: a fused multiply-add in the epilogue would round differently.
 // Rows are processed independently, so a token's output never depends on the batch.
 //
-// Small M (the verifier's k + 1 tokens, M <= 8): oneDNN's _int_mm costs ~4x its M = 1
+// Small M (the verifier's k + 1 tokens, M <= 16): oneDNN's _int_mm costs ~4x its M = 1
 // GEMV there, although decoding is memory-bound and the weight need only be read once.
 // small_m_gemm does the GEMM by hand with AVX512-VNNI (vpdpbusd: u8 x s8, four pairs
 // summed into each int32 lane): each 64-byte chunk of a weight row [N, K] is loaded once
@@ -119,9 +119,10 @@ void epilogue(const int32_t* acc, int64_t acc_stride, const int32_t* comp, const
 }
 
 // ---------------------------------------------------------------- small-M VNNI GEMM
-constexpr int64_t kSmallMaxM = 8;
+constexpr int64_t kSmallMaxM = 8;  // rows one vnni_tile pass computes
+constexpr int64_t kSmallMaxRows = 2 * kSmallMaxM;  // rows small_m_gemm takes (two passes)
 // Largest M sent to small_m_gemm (0 disables it); settable for benchmarks and tests.
-std::atomic<int64_t> g_small_m_max{kSmallMaxM};
+std::atomic<int64_t> g_small_m_max{kSmallMaxRows};
 
 bool vnni_supported() {
 #ifdef QUASAR_VNNI_KERNEL
@@ -231,13 +232,15 @@ void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, 
 }
 
 // y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x seg.w [N, K]^T
-// - comp) for every segment, 1 <= M <= 8: the output columns of all segments are cut into
+// - comp) for every segment, 1 <= M <= 16: the output columns of all segments are cut into
 // chunks spread over the intra-op threads (one parallel region for q, k and v together);
-// each chunk runs its own epilogue (elementwise, so the split never changes a bit).
+// each chunk runs its own epilogue (elementwise, so the split never changes a bit). Rows
+// past 8 are a second pass over the chunk's weights while they are still in cache, not
+// a second read from memory.
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride) {
 #ifdef QUASAR_VNNI_KERNEL
-  TORCH_CHECK(M >= 1 && M <= kSmallMaxM, "int8 small-M GEMM called with M = ", M);
+  TORCH_CHECK(M >= 1 && M <= kSmallMaxRows, "int8 small-M GEMM called with M = ", M);
   constexpr int64_t kChunk = 64;
   int64_t first[8 + 1] = {0};  // chunk index where segment s starts
   TORCH_CHECK(n_segs >= 1 && n_segs <= 8, "int8 small-M GEMM: 1..8 segments");
@@ -245,13 +248,15 @@ void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* se
   // A task reads at least ~64 KiB of weights: less does not pay for waking a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
   at::parallel_for(0, first[n_segs], grain, [&](int64_t c0, int64_t c1) {
-    int32_t acc[kSmallMaxM * kChunk];
+    int32_t acc[kSmallMaxRows * kChunk];
     int64_t s = 0;
     for (int64_t c = c0; c < c1; ++c) {
       while (c >= first[s + 1]) ++s;
       const Int8Segment& g = segs[s];
       const int64_t n0 = (c - first[s]) * kChunk, n_len = std::min(g.n - n0, kChunk);
-      vnni_dispatch(M, xu, K, g.w, n0, n0 + n_len, acc, kChunk);
+      for (int64_t r = 0; r < M; r += kSmallMaxM)
+        vnni_dispatch(std::min(kSmallMaxM, M - r), xu + r * K, K, g.w, n0, n0 + n_len, acc + r * kChunk,
+                      kChunk);
       for (int64_t m = 0; m < M; ++m) {
         int32_t* a = acc + m * kChunk;
         for (int64_t j = 0; j < n_len; ++j)  // modular: exact once comp is taken off
@@ -284,7 +289,7 @@ at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
 // weight [N, K] int8, weight_scale [N] or [N, 1], bias [N] or None, comp = 128 * rowsum(W)
 // as int32 [N] or [1, N] (needed when a u8 variant is used). u8_single / u8_multi pick
 // oneDNN's u8 x s8 GEMM ("u8x": x + 128 as uint8, minus comp) for M == 1 / M > 1, else
-// s8 x s8 ("s8"). On an AVX512-VNNI CPU, M <= int8_small_m_max() (default 8) with a
+// s8 x s8 ("s8"). On an AVX512-VNNI CPU, M <= int8_small_m_max() (default 16) with a
 // valid comp takes the hand-written small_m_gemm instead, whatever the flags say.
 // Returns [..., N] in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -354,15 +359,26 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
   return y.view(out_shape);
 }
 
-// The largest M that takes the small-M kernel (1..8; 0 disables it); max_m < 0 only reads.
+// The largest M that takes the small-M kernel (1..16; 0 disables it); max_m < 0 only reads.
 // Returns the previous value.
 int64_t int8_small_m_max(int64_t max_m) {
   if (max_m < 0) return g_small_m_max.load();
-  return g_small_m_max.exchange(std::min(max_m, kSmallMaxM));
+  return g_small_m_max.exchange(std::min(max_m, kSmallMaxRows));
 }
 
 // Whether this CPU runs the small-M kernel (AVX512-VNNI, and the kernel compiled in).
 bool int8_small_m_supported() { return vnni_supported(); }
+
+// How many distinct threads one at::parallel_for of this library runs on. at::parallel_for
+// is a header template: its OpenMP pragma is compiled here, so a build without -fopenmp
+// silently runs every "parallel" loop of these ops on one thread; tests check this.
+int64_t parallel_threads() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 4096, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() & 63));
+  });
+  return __builtin_popcountll(seen.load());
+}
 
 TORCH_LIBRARY(quasar_quant, m) {
   m.def(
@@ -371,4 +387,5 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
   m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
   m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
+  m.def("parallel_threads() -> int", &parallel_threads);
 }
