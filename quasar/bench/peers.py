@@ -247,6 +247,10 @@ class LlamaCppPeer(Engine):
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_PLD_TOKENS)
+            # With a draft model llama-cpp-python keeps logits for every position but sizes
+            # that buffer by the logits_all argument (n_batch rows unless it is True), so
+            # past 512 tokens its eval fails to broadcast; ask for n_ctx rows.
+            kwargs["logits_all"] = True
         try:
             llm = llama_cpp.Llama(model_path=str(path), n_ctx=self.n_ctx, n_threads=self.threads,
                                   n_threads_batch=self.threads, verbose=False, **kwargs)
