@@ -49,9 +49,20 @@ def step_logits(model: Transformer, ids: list[int], k: int, fused: bool) -> torc
         model.step_kernel = kernel
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch):
+# 197 tokens: a context of many 16-key chunks, where the rows of a step end in different
+# chunks and the longest row decides how far the shared loops run.
+LONG = 197
+
+
+def long_ids(ids: list[int]) -> list[int]:
+    return (ids * (LONG // len(ids) + 1))[:LONG]
+
+
+@pytest.mark.parametrize("arch,long", [(a, False) for a in ARCHS] + [("llama", True), ("qwen2", True)])
+def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch, long):
     fp, q, ids = models[arch]
+    if long:
+        ids = long_ids(ids)
     kernel, calls = q.step_kernel, []
 
     def spy(*args):
@@ -77,10 +88,13 @@ def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch):
 
 
 @pytest.mark.parametrize("k", [6, 12])
-def test_row_invariance_of_the_fused_layer(models, k):
+@pytest.mark.parametrize("long", [False, True])
+def test_row_invariance_of_the_fused_layer(models, k, long):
     """Rows computed one at a time equal the same rows in one k-token step, bitwise (also
-    past 8 rows, where the GEMM runs in row blocks)."""
+    past 8 rows, where the GEMM makes a second pass, and over a longer context)."""
     _, q, ids = models["qwen3"]
+    if long:
+        ids = long_ids(ids)
     together = step_logits(q, ids, k, fused=True)
     q.setup_cache(256)
     q(torch.tensor([ids[:-k]]), logits="none")
