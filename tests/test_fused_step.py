@@ -109,6 +109,8 @@ def test_checkpoint_reload_and_replaced_weights(models, default_model_dir, tmp_p
     before = step_logits(q, ids, 3, fused=True)
     loaded = load_model(save_checkpoint(q, tmp_path / "ckpt", default_model_dir)).model
     assert loaded.step_kernel is not None
+    assert [layer.mlp.down_proj.act_bits for layer in loaded.model.layers] == \
+        [layer.mlp.down_proj.act_bits for layer in q.model.layers] == [15] * len(q.model.layers)
     assert torch.equal(step_logits(loaded, ids, 3, fused=True), before)
     lin: Int8Linear = q.model.layers[0].mlp.down_proj
     old = lin.weight

@@ -534,3 +534,42 @@ def test_small_m_kernel_can_be_disabled(small_m, monkeypatch) -> None:
         ext.small_m_max(16)
     assert torch.equal(plain(x), y)  # QUASAR_NO_EXT: the pure-PyTorch path
     assert ext.small_m_max(99) == 16 and ext.small_m_max() == 16  # capped at 16
+
+
+# ---------------------------------------------------------------- 15-bit activations
+@pytest.mark.parametrize("k,n", [(2, 3), (64, 48), (577, 193), (1536, 576)])
+def test_act15_paths_agree_bitwise(ext_op, monkeypatch, k: int, n: int) -> None:
+    """act_bits=15 (q = 128 * hi + lo, two int8 GEMMs): the C++ op (small-M split kernel
+    up to 16 rows, oneDNN twice beyond), the PyTorch path and the reference agree bit for
+    bit, and a row's result does not depend on the rows computed with it."""
+    _, layer = _layer(k, n, bias=True)
+    layer.act_bits = 15
+    plain = _without_ext(layer, monkeypatch)
+    plain.act_bits = 15
+    ref = Int8Linear.from_float(nn.Linear(k, n), backend="reference", act_bits=15)
+    ref.load_state_dict(layer.state_dict())
+    for m in (1, 2, 5, 9, 16, 17):
+        x = _hard_rows(m, k, torch.float32)
+        y = layer(x)
+        assert torch.equal(y, plain(x)), m
+        assert torch.equal(y, ref(x)), m
+        assert torch.equal(layer(x[-1:]), y[-1:]), m
+
+
+def test_act15_is_much_closer_to_the_float_layer() -> None:
+    """With 15-bit activations nearly all the error left is the int8 weights'."""
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(1536, 576)
+    outliers = 1 + 30 * (torch.rand(1536, generator=gen) < 0.01)  # a few large channels
+    x = torch.randn(32, 1536, generator=gen) * outliers
+    q8 = Int8Linear.from_float(lin, backend="reference")
+    q15 = Int8Linear.from_float(lin, backend="reference", act_bits=15)
+    with torch.no_grad():
+        want = lin(x)
+        weights_only = torch.nn.functional.linear(x, q8.dequantized_weight(), lin.bias)
+        err8, err15 = (q8(x) - want).norm(), (q15(x) - want).norm()
+        err_w = (weights_only - want).norm()
+    assert err15 < 0.5 * err8
+    assert abs(err15 - err_w) < 0.05 * err_w
+    with pytest.raises(QuasarError, match="act_bits"):
+        Int8Linear(4, 4, act_bits=16)

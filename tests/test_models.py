@@ -65,3 +65,21 @@ def test_context_overflow_is_a_clear_error(tiny_char_model):
     model.setup_cache(8)
     with pytest.raises(QuasarError, match="context is full"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_stream_decoder_deltas_join_to_the_full_text(default_model_dir):
+    """Token by token, the deltas add up to decoding all ids at once; a character split
+    over several byte-level tokens is held back until complete, never shown as U+FFFD."""
+    from quasar.models.tokenizer import StreamDecoder, Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    text = "Hello wörld — 数学 😀🚀 tabs\tand  spaces\n def f(x):\n    return x ** 2  # ünïcödé ✓"
+    ids = tok.encode(text) * 3
+    dec = StreamDecoder(tok)
+    deltas = [dec.push([i]) for i in ids]
+    assert "".join(deltas) == tok.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+    assert sum(1 for d in deltas if d == "") > 0  # the emoji / CJK bytes span tokens
+    # several ids per push (a verifier step's accepted drafts) give the same text
+    dec = StreamDecoder(tok)
+    assert "".join(dec.push(ids[i:i + 3]) for i in range(0, len(ids), 3)) == tok.decode(ids)

@@ -7,6 +7,7 @@ cached model stays fast.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -102,19 +103,26 @@ class StreamDecoder:
     """Turns a growing list of token ids into text deltas, never splitting a character.
 
     Byte-level BPE can end a token in the middle of a UTF-8 sequence; the decoded text then
-    ends with U+FFFD and is held back until the next token completes it.
+    ends with U+FFFD and is held back until the next token completes it. Each push decodes
+    only the tokens since the last delta plus the ones before it (as context, so that
+    tokenizers which treat a sequence's first token specially still join correctly), not
+    the whole output: a long generation costs linear, not quadratic, decoding time.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset]: context already shown
+        self.read_offset = 0  # ids before this have been turned into text
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        full = self.tok.decode(self.ids)
-        if full.endswith("\ufffd"):
+        shown = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(shown) or text.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text = full
-        return delta
+        # A tokenizer that rewrites text across token boundaries (space clean-up) can change
+        # what was shown; a stream cannot take it back, so continue after the common part.
+        start = len(shown) if text.startswith(shown) else len(os.path.commonprefix([shown, text]))
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[start:]

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.quant import fused_step
-from quasar.quant.int8 import Int8Linear
+from quasar.quant.int8 import ACT_BITS, Int8Linear
 
 FORMAT_VERSION = 1
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
@@ -112,6 +112,13 @@ def prepare_quantized_modules(model: Transformer, quant_config: dict, tensors: d
             raise QuasarError(f"{key}: non-zero zero point (asymmetric quantization is not supported)")
         del tensors[key]
 
+    # Quasar's own checkpoints may run the MLP down projections with 15-bit activations
+    # (quantize_model's down_act_bits); the compressed-tensors scheme above stays W8A8.
+    info = quant_config.get("quasar") if isinstance(quant_config.get("quasar"), dict) else {}
+    down_act_bits = info.get("down_act_bits", 8)
+    if down_act_bits not in ACT_BITS:
+        raise QuasarError(f"quantization_config.quasar.down_act_bits={down_act_bits!r} is not supported "
+                          f"(one of {', '.join(map(str, ACT_BITS))})")
     modules = dict(model.named_modules())
     swapped = 0
     for name, module in list(modules.items()):
@@ -126,7 +133,8 @@ def prepare_quantized_modules(model: Transformer, quant_config: dict, tensors: d
             raise QuasarError(f"{name}.weight is {w.dtype}, expected int8 (compressed 'int-quantized' layout)")
         if name == "lm_head" and model.config.tie_word_embeddings:
             raise QuasarError("checkpoint has an int8 lm_head but ties it to the embeddings")
-        new = Int8Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        new = Int8Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
+                         act_bits=down_act_bits if name.endswith("mlp.down_proj") else 8)
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
         swapped += 1

@@ -58,9 +58,9 @@ class FusedW8A8Step:
             if not self._build():
                 return None
         cfg = self.model.config
-        norms, weights, scales, biases, comps = self._plan
+        norms, weights, scales, biases, comps, act_bits = self._plan
         return self._op(x.contiguous(), cos, sin, cache.k, cache.v, start, norms, cfg.rms_norm_eps, weights,
-                        scales, biases, comps, cfg.num_heads, cfg.num_kv_heads)
+                        scales, biases, comps, act_bits, cfg.num_heads, cfg.num_kv_heads)
 
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
@@ -73,7 +73,7 @@ class FusedW8A8Step:
         if self.model.config.head_dim not in _HEAD_DIMS:
             return False
         layers = self.model.model.layers
-        norms, weights, scales, biases, comps = [], [], [], [], []
+        norms, weights, scales, biases, comps, act_bits = [], [], [], [], [], []
         # Anything swapped later (a module, a tensor, a repack) invalidates the plan.
         watch = [(self.model.model._modules, "layers", layers)]
         for idx, layer in enumerate(layers):
@@ -83,6 +83,9 @@ class FusedW8A8Step:
                       for block, name in _LINEARS]
             linears = [getattr(getattr(layer, block), name) for block, name in _LINEARS]
             if not all(isinstance(m, Int8Linear) and m.resolved_backend() == "cpu" for m in linears):
+                return False
+            # q, k, v (and gate, up) are one GEMM on one quantized input
+            if len({m.act_bits for m in linears[:3]}) > 1 or linears[4].act_bits != linears[5].act_bits:
                 return False
             attn = layer.self_attn
             layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -97,12 +100,13 @@ class FusedW8A8Step:
                 if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
                     return False
                 weights.append(w)
+                act_bits.append(m.act_bits)
                 scales.append(s)
                 biases.append(b)
                 # 128 * rowsum(W): the cpu packing's own copy when its u8x variant made one.
                 comps.append(packed[4][3] if packed[4][3] is not None else u8x_pack(w)[1])
                 watch += [(m._buffers, "weight", w), (m._buffers, "weight_scale", s), (m._buffers, "bias", b),
-                          (m.__dict__, "_packed", packed)]
+                          (m.__dict__, "_packed", packed), (m.__dict__, "act_bits", m.act_bits)]
             for n in layer_norms:
                 watch.append((n._parameters, "weight", n.weight))
             watch += [(layer._modules, "input_layernorm", layer.input_layernorm),
@@ -110,7 +114,7 @@ class FusedW8A8Step:
             if attn.qk_norm:
                 watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
             norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
-        self._plan, self._watch = (norms, weights, scales, biases, comps), watch
+        self._plan, self._watch = (norms, weights, scales, biases, comps, act_bits), watch
         return True
 
 

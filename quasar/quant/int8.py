@@ -20,6 +20,11 @@ enabled) take the PyTorch path.
 Numerics (see DESIGN.md "Numerics"): the int32 product is exact and the quantizer and
 epilogue are elementwise or per-row, so a token's output is bitwise the same whether it
 is computed alone or with other tokens, and the same on every backend of one device.
+
+``act_bits = 15`` (W8A15: chosen for the MLP down projection, whose inputs int8 serves
+worst) quantizes activations to 15 bits (|q| <= 16383) and splits them as q = 128 * hi + lo
+with hi, lo int8: two exact int8 GEMMs over the same weight, combined in int64. Weights,
+bytes read per step and every kernel stay int8; only the GEMM work doubles.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from quasar.errors import QuasarError
 from quasar.quant.kernels import BACKENDS, MAX_IN_FEATURES, get_kernel
 
 __all__ = [
+    "ACT_BITS",
     "BACKEND_NAMES",
     "Int8Linear",
     "quantize_activation",
+    "split_mm",
     "quantize_weight",
     "scale_output",
     "set_backend",
@@ -57,16 +64,29 @@ def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Dynamic symmetric int8 per token (last dim): returns (int8 like x, float32 [..., 1]).
+ACT_BITS = (8, 15)  # activation precisions an Int8Linear runs (see the module doc)
+
+
+def quantize_activation(x: Tensor, bits: int = 8) -> tuple[Tensor, Tensor]:
+    """Dynamic symmetric per-token quantization (last dim) to ``bits`` bits: returns
+    (int8, or int16 for 15 bits, like x; float32 scales [..., 1]).
 
     Only per-row reductions and correctly rounded elementwise ops, so a row's result is
-    independent of the other rows. |x / scale| <= 127 up to one rounding, so no clamp.
+    independent of the other rows. |x / scale| <= limit up to one rounding, so no clamp.
     """
+    limit = float(2 ** (bits - 1) - 1)  # 127 or 16383
     xf = x if x.dtype == torch.float32 else x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(127.0 * _MIN_SCALE).div_(127.0)
-    q = torch.div(xf, scale).round_().to(torch.int8)
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(limit * _MIN_SCALE).div_(limit)
+    q = torch.div(xf, scale).round_().to(torch.int8 if bits == 8 else torch.int16)
     return q, scale
+
+
+def split_mm(mm: Any, packed: Any, q: Tensor) -> Tensor:
+    """The exact product of 15-bit activations q (int16) with an int8 weight as two int8
+    GEMMs: q = 128 * hi + lo, hi in [-128, 127], lo in [0, 127]; int64 result."""
+    hi = torch.bitwise_right_shift(q, 7).to(torch.int8)
+    lo = torch.bitwise_and(q, 127).to(torch.int8)
+    return mm(hi, packed).to(torch.int64).mul_(128).add_(mm(lo, packed))
 
 
 def _version(t: Tensor) -> int | None:
@@ -91,8 +111,12 @@ class Int8Linear(nn.Module):
         bias: bool = True,
         backend: str = "auto",
         device: torch.device | str | None = None,
+        act_bits: int = 8,
     ) -> None:
         super().__init__()
+        if act_bits not in ACT_BITS:
+            raise QuasarError(f"Int8Linear act_bits must be one of {ACT_BITS}, got {act_bits!r}")
+        self.act_bits = act_bits
         if not 0 < in_features <= MAX_IN_FEATURES:
             raise QuasarError(
                 f"Int8Linear in_features must be in 1..{MAX_IN_FEATURES} for exact int32 "
@@ -117,7 +141,7 @@ class Int8Linear(nn.Module):
         self.register_load_state_dict_post_hook(_drop_packed)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, backend: str = "auto") -> "Int8Linear":
+    def from_float(cls, linear: nn.Linear, backend: str = "auto", act_bits: int = 8) -> "Int8Linear":
         """Quantize a float linear layer (smoothing, if any, must already be folded in)."""
         if not isinstance(linear, nn.Linear):
             raise QuasarError(
@@ -129,6 +153,7 @@ class Int8Linear(nn.Module):
             bias=linear.bias is not None,
             backend=backend,
             device=linear.weight.device,
+            act_bits=act_bits,
         )
         q, scale = quantize_weight(linear.weight)
         layer.weight.copy_(q)
@@ -182,23 +207,26 @@ class Int8Linear(nn.Module):
         fused = c[5]
         if fused is not None and not (x.requires_grad and torch.is_grad_enabled()):
             # The `cpu` backend's C++ op (quasar.quant.ext): same bits, one call.
-            return fused[0](x, weight, buffers["weight_scale"], buffers["bias"], *fused[1])
+            return fused[0](x, weight, buffers["weight_scale"], buffers["bias"], *fused[1], self.act_bits)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        qx, sx = quantize_activation(x2)
-        y = scale_output(c[3](qx, c[4]), sx, buffers["weight_scale"], buffers["bias"], x.dtype)
+        qx, sx = quantize_activation(x2, self.act_bits)
+        acc = c[3](qx, c[4]) if self.act_bits == 8 else split_mm(c[3], c[4], qx)
+        y = scale_output(acc, sx, buffers["weight_scale"], buffers["bias"], x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, backend={self.backend!r}"
+            + (f", act_bits={self.act_bits}" if self.act_bits != 8 else "")
         )
 
 
 def scale_output(
     acc: Tensor, sx: Tensor, weight_scale: Tensor, bias: Tensor | None, dtype: torch.dtype
 ) -> Tensor:
-    """int32 [M, N] -> contiguous ``dtype`` [M, N] as ``(float(acc) * s_w) * s_x + bias``.
+    """int32 (int64 for 15-bit activations) [M, N] -> contiguous ``dtype`` [M, N] as
+    ``(float(acc) * s_w) * s_x + bias``.
 
     One fixed fp32 order on every backend and batch size keeps results bitwise equal.
     """

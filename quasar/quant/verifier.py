@@ -21,6 +21,7 @@ from quasar.models.llama import Transformer
 from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from quasar.quant.quantize import (
     DEFAULT_ALPHA,
+    DEFAULT_DOWN_ACT_BITS,
     DEFAULT_GPTQ,
     DEFAULT_LM_HEAD,
     DEFAULT_ROTATE,
@@ -74,7 +75,7 @@ def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
 def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = DEFAULT_LM_HEAD,
                   smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, calib: str | Path | None = None,
                   samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, rotate: bool = DEFAULT_ROTATE,
-                  gptq: bool = DEFAULT_GPTQ, backend: str = "auto",
+                  gptq: bool = DEFAULT_GPTQ, backend: str = "auto", down_act_bits: int = DEFAULT_DOWN_ACT_BITS,
                   cache: bool = True, progress: bool | None = None, **unknown) -> Transformer:
     """A new W8A8 Transformer for ``loaded`` (a ``LoadedModel``); the float model is untouched.
 
@@ -87,8 +88,8 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
 
     if unknown:
         raise QuasarError(f"unknown quantization option {sorted(unknown)[0]!r}; known: alpha, lm_head, "
-                          "smooth_o_down, calib, samples, seq_len, rotate, gptq, backend, cache, progress")
-    alpha = check_options(alpha, lm_head, backend)
+                          "smooth_o_down, calib, samples, seq_len, rotate, gptq, backend, down_act_bits, cache, progress")
+    alpha = check_options(alpha, lm_head, backend, down_act_bits)
     model = loaded.model
     if is_quantized(model):
         if backend != "auto":
@@ -102,7 +103,7 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     dtype = model.model.norm.weight.dtype
     options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
                "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate),
-               "gptq": bool(gptq)}
+               "gptq": bool(gptq), "down_act_bits": int(down_act_bits)}
     target = cache_path(loaded.model_dir, dtype, options) if cache else None
     if target is not None and (target / "config.json").is_file():
         try:
@@ -120,7 +121,7 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     qmodel = build_w8a8(model, loaded.tokenizer, alpha=alpha, smooth_o_down=smooth_o_down, lm_head=lm_head,
                         calib_text=text, calib_source=str(calib) if calib else None, samples=samples,
                         seq_len=seq_len, rotate=rotate, gptq=gptq, backend=backend,
-                        progress=progress)
+                        progress=progress, down_act_bits=down_act_bits)
     if target is not None:
         from quasar.quant.checkpoint import save_checkpoint
 

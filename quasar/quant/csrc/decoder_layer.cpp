@@ -290,11 +290,18 @@ quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& scale,
           b, col};
 }
 
-// y [rows, y_stride] columns of `segs` = W8A8(x [rows, K]).
-void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs,
-               int64_t n_segs, float* y, int64_t y_stride) {
-  std::vector<uint8_t> q(rows * k);
+// y [rows, y_stride] columns of `segs` = W8A8(x [rows, K]), or W8A15 (15-bit activations
+// split in two int8 halves) when act_bits is 15.
+void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
+               float* y, int64_t y_stride, int64_t act_bits) {
   std::vector<float> sx(rows);
+  if (act_bits == 15) {
+    std::vector<uint8_t> hi(rows * k), lo(rows * k);
+    quasar::quantize_rows_split_u8(x, rows, k, hi.data(), lo.data(), sx.data());
+    quasar::small_m_gemm_split(hi.data(), lo.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
+    return;
+  }
+  std::vector<uint8_t> q(rows * k);
   quasar::quantize_rows_u8(x, rows, k, q.data(), sx.data());
   quasar::small_m_gemm(q.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
 }
@@ -303,11 +310,12 @@ void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segmen
 struct LayerGemms {
   quasar::Int8Segment qkv[3], o, gate_up[2], down;
   int64_t inter;
+  int64_t bits_qkv, bits_o, bits_gate_up, bits_down;  // activation bits (8 or 15)
 };
 
 LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
                        const c10::List<std::optional<at::Tensor>>& biases, at::TensorList comps,
-                       int64_t base, int64_t H, int64_t nq, int64_t nkv) {
+                       at::IntArrayRef act_bits, int64_t base, int64_t H, int64_t nq, int64_t nkv) {
   const auto w = [&](int64_t i) { return weights[base + i]; };
   const auto seg = [&](int64_t i, int64_t in_features, int64_t col) {
     return segment(weights[base + i], scales[base + i], biases.get(base + i), comps[base + i],
@@ -317,11 +325,20 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
   TORCH_CHECK(w(0).size(0) == nq && w(1).size(0) == nkv && w(2).size(0) == nkv && w(3).size(0) == H &&
                   w(5).size(0) == inter && w(6).size(0) == H,
               "w8a8_decoder_layers: linear shapes do not match the heads");
+  const auto bits = [&](int64_t i) { return act_bits[base + i]; };
+  for (int64_t i = 0; i < 7; ++i)
+    TORCH_CHECK(bits(i) == 8 || bits(i) == 15, "w8a8_decoder_layers: act_bits must be 8 or 15");
+  TORCH_CHECK(bits(0) == bits(1) && bits(1) == bits(2) && bits(4) == bits(5),
+              "w8a8_decoder_layers: q, k, v (and gate, up) share their input, so their act_bits must match");
   return {{seg(0, H, 0), seg(1, H, nq), seg(2, H, nq + nkv)},
           seg(3, nq, 0),
           {seg(4, H, 0), seg(5, H, inter)},
           seg(6, inter, 0),
-          inter};
+          inter,
+          bits(0),
+          bits(3),
+          bits(4),
+          bits(6)};
 }
 
 }  // namespace
@@ -329,14 +346,16 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
 // x [1, T, H] float32 -> the hidden states after all L layers [1, T, H]; k_cache / v_cache
 // [L, 1, KVH, S, D] float32 get rows [start, start + T). Per layer l, in order:
 // norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm, q_norm, k_norm (the last
-// two None without qk-norm); weights / scales / biases / comps[7l .. 7l+6] = the Int8Linears
-// q, k, v, o, gate, up, down (comp = 128 * rowsum(weight), int32 [N]).
+// two None without qk-norm); weights / scales / biases / comps / act_bits[7l .. 7l+6] = the
+// Int8Linears q, k, v, o, gate, up, down (comp = 128 * rowsum(weight), int32 [N]; act_bits
+// 8, or 15 for split 15-bit activations as in Int8Linear).
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
                                const c10::List<std::optional<at::Tensor>>& norms, double eps,
                                at::TensorList weights, at::TensorList scales,
                                const c10::List<std::optional<at::Tensor>>& biases,
-                               at::TensorList comps, int64_t n_heads, int64_t n_kv_heads) {
+                               at::TensorList comps, at::IntArrayRef act_bits, int64_t n_heads,
+                               int64_t n_kv_heads) {
 #ifdef QUASAR_LAYER_KERNEL
   TORCH_CHECK(quasar::cpu_has_vnni(), "w8a8_decoder_layers needs an AVX512-VNNI CPU");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -353,7 +372,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   const int64_t L = k_cache.size(0), D = k_cache.size(4), S = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(weights.size()) == 7 * L &&
                   static_cast<int64_t>(scales.size()) == 7 * L && static_cast<int64_t>(biases.size()) == 7 * L &&
-                  static_cast<int64_t>(comps.size()) == 7 * L,
+                  static_cast<int64_t>(comps.size()) == 7 * L && static_cast<int64_t>(act_bits.size()) == 7 * L,
               "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
   TORCH_CHECK(start >= 0 && start + T <= S, "w8a8_decoder_layers: rows past the cache");
   const AttendFn attend = attend_for(D);
@@ -368,7 +387,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   std::vector<LayerGemms> gemms;
   int64_t inter_max = 0;
   for (int64_t l = 0; l < L; ++l) {
-    gemms.push_back(layer_gemms(weights, scales, biases, comps, 7 * l, H, nq, nkv));
+    gemms.push_back(layer_gemms(weights, scales, biases, comps, act_bits, 7 * l, H, nq, nkv));
     inter_max = std::max(inter_max, gemms.back().inter);
   }
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
@@ -388,7 +407,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
 
     // attention block
     rms_norm(xs, T, H, w_in, feps, h.data());
-    int8_rows(h.data(), T, H, g.qkv, 3, proj.data(), nqkv);
+    int8_rows(h.data(), T, H, g.qkv, 3, proj.data(), nqkv, g.bits_qkv);
     float* kc = k_cache.data_ptr<float>() + l * n_kv_heads * S * D;
     float* vc = v_cache.data_ptr<float>() + l * n_kv_heads * S * D;
     for (int64_t t = 0; t < T; ++t) {
@@ -425,14 +444,14 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                acc.data());
       }
     });
-    int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H);
+    int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H, g.bits_o);
     add_into(xs, proj.data(), T * H);
 
     // MLP block
     rms_norm(xs, T, H, w_post, feps, h.data());
-    int8_rows(h.data(), T, H, g.gate_up, 2, gu.data(), 2 * g.inter);
+    int8_rows(h.data(), T, H, g.gate_up, 2, gu.data(), 2 * g.inter, g.bits_gate_up);
     silu_mul(gu.data(), T, g.inter, act.data());
-    int8_rows(act.data(), T, g.inter, &g.down, 1, proj.data(), H);
+    int8_rows(act.data(), T, g.inter, &g.down, 1, proj.data(), H, g.bits_down);
     add_into(xs, proj.data(), T * H);
   }
   return out;
@@ -445,6 +464,6 @@ TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "int start, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
-      "Tensor[] comps, int n_heads, int n_kv_heads) -> Tensor");
+      "Tensor[] comps, int[] act_bits, int n_heads, int n_kv_heads) -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 }

@@ -28,4 +28,14 @@ void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, 
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride);
 
+// 15-bit activations (|q| <= 16383, scale amax / 16383, as quantize_activation(x, 15)) split
+// as q = 128 * hi + lo: hi + 128 and lo + 128 as uint8 [M, K] each.
+void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx);
+
+// small_m_gemm for split 15-bit activations: the int32 products of hi and lo (each exact)
+// combined as 128 * hi + lo in int64, then the same epilogue; bitwise Int8Linear's result
+// with act_bits = 15.
+void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs,
+                        int64_t n_segs, const float* sx, float* y, int64_t y_stride);
+
 }  // namespace quasar

@@ -231,14 +231,19 @@ void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, 
   quantize_rows<uint8_t, 128>(x, m_len, k_len, q, sx);
 }
 
-// y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x seg.w [N, K]^T
-// - comp) for every segment, 1 <= M <= 16: the output columns of all segments are cut into
-// chunks spread over the intra-op threads (one parallel region for q, k and v together);
-// each chunk runs its own epilogue (elementwise, so the split never changes a bit). Rows
-// past 8 are a second pass over the chunk's weights while they are still in cache, not
-// a second read from memory.
-void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
-                  const float* sx, float* y, int64_t y_stride) {
+}  // namespace quasar
+
+namespace {
+
+// The small-M GEMM over all segments: output columns cut into chunks spread over the
+// intra-op threads (one parallel region for q, k and v together); each chunk runs its
+// own epilogue (elementwise, so the split never changes a bit). Rows past 8 are a second
+// pass over the chunk's weights while they are still in cache, not a second read from
+// memory. kSplit: the activations are 15-bit, q = 128 * hi + lo, given as two uint8
+// arrays (hi + 128, lo + 128); both products are exact int32s, combined in int64.
+template <bool kSplit>
+void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, const quasar::Int8Segment* segs,
+                  int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
 #ifdef QUASAR_VNNI_KERNEL
   TORCH_CHECK(M >= 1 && M <= kSmallMaxRows, "int8 small-M GEMM called with M = ", M);
   constexpr int64_t kChunk = 64;
@@ -249,14 +254,37 @@ void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* se
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
   at::parallel_for(0, first[n_segs], grain, [&](int64_t c0, int64_t c1) {
     int32_t acc[kSmallMaxRows * kChunk];
+    int32_t acc_lo[kSplit ? kSmallMaxRows * kChunk : 1];
     int64_t s = 0;
     for (int64_t c = c0; c < c1; ++c) {
       while (c >= first[s + 1]) ++s;
-      const Int8Segment& g = segs[s];
+      const quasar::Int8Segment& g = segs[s];
       const int64_t n0 = (c - first[s]) * kChunk, n_len = std::min(g.n - n0, kChunk);
-      for (int64_t r = 0; r < M; r += kSmallMaxM)
+      for (int64_t r = 0; r < M; r += kSmallMaxM) {
         vnni_dispatch(std::min(kSmallMaxM, M - r), xu + r * K, K, g.w, n0, n0 + n_len, acc + r * kChunk,
                       kChunk);
+        if (kSplit)
+          vnni_dispatch(std::min(kSmallMaxM, M - r), xlo + r * K, K, g.w, n0, n0 + n_len,
+                        acc_lo + r * kChunk, kChunk);
+      }
+      if (kSplit) {
+        // ((float(128 * hi + lo) * ws) * sx) + bias, each product minus comp first
+        // (modular: exact), as scale_output does with the int64 sum.
+        for (int64_t m = 0; m < M; ++m) {
+          const float sm = sx[m];
+          float* o = y + m * y_stride + g.y_col + n0;
+          for (int64_t j = 0; j < n_len; ++j) {
+            const uint32_t cj = static_cast<uint32_t>(g.comp[n0 + j]);
+            const int64_t hi = static_cast<int32_t>(static_cast<uint32_t>(acc[m * kChunk + j]) - cj);
+            const int64_t lo = static_cast<int32_t>(static_cast<uint32_t>(acc_lo[m * kChunk + j]) - cj);
+            float v = static_cast<float>(hi * 128 + lo) * g.ws[n0 + j];
+            v = v * sm;
+            if (g.bias) v = v + g.bias[n0 + j];
+            o[j] = v;
+          }
+        }
+        continue;
+      }
       for (int64_t m = 0; m < M; ++m) {
         int32_t* a = acc + m * kChunk;
         for (int64_t j = 0; j < n_len; ++j)  // modular: exact once comp is taken off
@@ -270,6 +298,38 @@ void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* se
 #else
   TORCH_CHECK(false, "int8_linear: small-M kernel not compiled in");
 #endif
+}
+
+}  // namespace
+
+namespace quasar {
+
+// y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x seg.w [N, K]^T
+// - comp) for every segment, 1 <= M <= 16 (see small_m_rows).
+void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
+                  const float* sx, float* y, int64_t y_stride) {
+  small_m_rows<false>(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride);
+}
+
+void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs,
+                        int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
+  small_m_rows<true>(xhi, xlo, M, K, segs, n_segs, sx, y, y_stride);
+}
+
+void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
+  // torch: amax.clamp_min_(16383.0 * 1e-12).div_(16383.0) with the double scalars cast to float.
+  const float min_amax = static_cast<float>(16383.0 * 1e-12);
+  for (int64_t m = 0; m < m_len; ++m) {
+    const float* r = x + m * k_len;
+    const float amax = row_absmax(r, k_len);
+    const float s = (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / 16383.0f;
+    sx[m] = s;
+    for (int64_t k = 0; k < k_len; ++k) {
+      const int32_t q = round_to_int(r[k] / s);  // |q| <= 16383
+      hi[m * k_len + k] = static_cast<uint8_t>((q >> 7) + 128);  // floor(q / 128)
+      lo[m * k_len + k] = static_cast<uint8_t>((q & 127) + 128);
+    }
+  }
 }
 
 }  // namespace quasar
@@ -291,10 +351,14 @@ at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
 // oneDNN's u8 x s8 GEMM ("u8x": x + 128 as uint8, minus comp) for M == 1 / M > 1, else
 // s8 x s8 ("s8"). On an AVX512-VNNI CPU, M <= int8_small_m_max() (default 16) with a
 // valid comp takes the hand-written small_m_gemm instead, whatever the flags say.
+// act_bits = 15: 15-bit activations split as 128 * hi + lo, two exact int8 GEMMs combined
+// in int64 (small_m_gemm_split, or oneDNN's s8 x s8 twice), the same epilogue.
 // Returns [..., N] in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& comp, bool u8_single, bool u8_multi) {
+                       const std::optional<at::Tensor>& comp, bool u8_single, bool u8_multi,
+                       int64_t act_bits) {
+  TORCH_CHECK(act_bits == 8 || act_bits == 15, "int8_linear: act_bits must be 8 or 15, got ", act_bits);
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
               "int8_linear: tensors must be on the CPU");
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_linear: x must be floating point");
@@ -323,6 +387,43 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       cmp = comp->contiguous();
     }
     std::vector<float> sx(M);
+    if (act_bits == 15) {  // 15-bit activations as two int8 halves (see Int8Linear)
+      at::Tensor hi = at::empty({M, K}, xf.options().dtype(at::kByte));
+      at::Tensor lo = at::empty({M, K}, xf.options().dtype(at::kByte));
+      quasar::quantize_rows_split_u8(xf.data_ptr<float>(), M, K, hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(),
+                                     sx.data());
+      const bool has_comp = comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
+                            comp->numel() == N;
+      if (M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() && has_comp) {
+        const at::Tensor c = comp->contiguous();
+        const at::Tensor wc = weight.contiguous();
+        const quasar::Int8Segment seg{wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(), ws.data_ptr<float>(),
+                                      b.defined() ? b.data_ptr<float>() : nullptr, 0};
+        quasar::small_m_gemm_split(hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), M, K, &seg, 1, sx.data(),
+                                   y.data_ptr<float>(), N);
+      } else {
+        // s8 halves (hi in [-128, 127], lo in [0, 127]), each an exact int32 GEMM
+        const auto gemm = [&](const at::Tensor& u) {
+          const at::Tensor q = u.to(at::kShort).sub_(128).to(at::kChar);
+          return (K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t())
+                         : at::_int_mm(q, weight.t()).to(at::kLong)).contiguous();
+        };
+        const at::Tensor acc = gemm(hi).mul_(128).add_(gemm(lo));
+        const int64_t* a = acc.data_ptr<int64_t>();
+        const float* wsp = ws.data_ptr<float>();
+        const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+        float* yp = y.data_ptr<float>();
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            float v = static_cast<float>(a[m * N + n]) * wsp[n];
+            v = v * sx[m];
+            if (bp) v = v + bp[n];
+            yp[m * N + n] = v;
+          }
+      }
+      if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+      return y.view(out_shape);
+    }
     // Small M on an AVX512-VNNI CPU: the hand-written kernel (same int32s, same epilogue).
     if (M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() &&
         comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
@@ -383,7 +484,7 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(quasar_quant, m) {
   m.def(
       "int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? comp, "
-      "bool u8_single, bool u8_multi) -> Tensor");
+      "bool u8_single, bool u8_multi, int act_bits=8) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
   m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
   m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
