@@ -72,14 +72,20 @@ inline int32_t round_to_int(float v) {
   return r == r ? static_cast<int32_t>(r) : 0;  // NaN (inf / inf, NaN input) -> 0
 }
 
+// A row's activation scale, as quantize_activation computes it for |q| <= limit (127, or
+// 16383 for 15 bits): amax.clamp_min_(limit * 1e-12).div_(limit), the double scalars cast
+// to float; NaN propagates.
+inline float row_scale(const float* r, int64_t k_len, double limit) {
+  const float min_amax = static_cast<float>(limit * 1e-12);
+  const float amax = row_absmax(r, k_len);
+  return (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / static_cast<float>(limit);
+}
+
 template <typename Q, int32_t kOffset>
 void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx) {
-  // torch: amax.clamp_min_(127.0 * 1e-12).div_(127.0) with the double scalar cast to float.
-  const float min_amax = static_cast<float>(127.0 * 1e-12);
   for (int64_t m = 0; m < m_len; ++m) {
     const float* r = x + m * k_len;
-    const float amax = row_absmax(r, k_len);
-    const float s = (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / 127.0f;
+    const float s = row_scale(r, k_len, 127.0);
     sx[m] = s;
     Q* o = q + m * k_len;
     for (int64_t k = 0; k < k_len; ++k) o[k] = static_cast<Q>(round_to_int(r[k] / s) + kOffset);
@@ -317,12 +323,9 @@ void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64
 }
 
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
-  // torch: amax.clamp_min_(16383.0 * 1e-12).div_(16383.0) with the double scalars cast to float.
-  const float min_amax = static_cast<float>(16383.0 * 1e-12);
   for (int64_t m = 0; m < m_len; ++m) {
     const float* r = x + m * k_len;
-    const float amax = row_absmax(r, k_len);
-    const float s = (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / 16383.0f;
+    const float s = row_scale(r, k_len, 16383.0);
     sx[m] = s;
     for (int64_t k = 0; k < k_len; ++k) {
       const int32_t q = round_to_int(r[k] / s);  // |q| <= 16383
