@@ -292,11 +292,14 @@ def test_quantize_cli_writes_a_loadable_checkpoint(model_dirs, tmp_path, capsys)
     calib.write_text(CALIB)
     out = tmp_path / "q"
     assert main(["quantize", "--model", str(model_dirs["qwen3"]), "--out", str(out), "--calib", str(calib),
-                 "--samples", "2", "--seq-len", "32", "--alpha", "0.6", "--no-gptq", "--no-progress"]) == 0
+                 "--samples", "2", "--seq-len", "32", "--alpha", "0.6", "--no-gptq", "--down-act-bits", "8",
+                 "--no-progress"]) == 0
     info = json.loads((out / "config.json").read_text())["quantization_config"]["quasar"]
     assert info["alpha"] == 0.6 and info["calibration"]["seq_len"] == 32
     assert info["rotate"] is True and info["gptq"] is False and info["lm_head"] == "int8"
-    assert isinstance(load_model(out).model.model.layers[1].self_attn.o_proj, Int8Linear)
+    assert info["down_act_bits"] == 8
+    layer = load_model(out).model.model.layers[1]
+    assert isinstance(layer.self_attn.o_proj, Int8Linear) and layer.mlp.down_proj.act_bits == 8
     assert main(["quantize", "--model", str(out), "--out", str(tmp_path / "again")]) == 2
     assert "already a W8A8" in capsys.readouterr().err
     _no_leftovers(tmp_path)
