@@ -12,6 +12,8 @@
 //   optional per-head q/k rmsnorm (Qwen3); RoPE; k, v written to the cache at
 //   [start, start + T); attention of row i over keys [0, start + i]; x += W8A8_o(attn);
 //   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
+// A linear with act_bits 15 (by default the down projection) quantizes its input to 15
+// bits and runs two int8 products over the same weight chunk (small_m_gemm_split).
 // Every row is computed on its own, in a fixed order, whatever T is: a token's result is
 // bitwise the same whether it is verified alone or with drafts (row invariance), which is
 // what keeps greedy speculative output identical to greedy autoregressive output.
