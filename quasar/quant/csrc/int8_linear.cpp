@@ -94,12 +94,12 @@ void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx
 
 // y = ((float(acc - comp) * ws) * sx) + bias, one row at a time, each operation rounded
 // separately (no contraction), exactly as scale_output's torch.mul / mul_ / add_.
-template <bool kComp, bool kBias>
-void epilogue_rows(const int32_t* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
+template <typename Acc, bool kComp, bool kBias>
+void epilogue_rows(const Acc* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
                    const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y,
                    int64_t y_stride) {
   for (int64_t m = 0; m < m_len; ++m) {
-    const int32_t* a = acc + m * acc_stride;
+    const Acc* a = acc + m * acc_stride;
     const float s = sx[m];
     float* o = y + m * y_stride;
     for (int64_t n = 0; n < n_len; ++n) {
@@ -111,17 +111,19 @@ void epilogue_rows(const int32_t* acc, int64_t acc_stride, const int32_t* comp, 
   }
 }
 
-void epilogue(const int32_t* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
+// Acc: int32, or int64 for the combined halves of 15-bit activations (then no comp).
+template <typename Acc>
+void epilogue(const Acc* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
               const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y,
               int64_t y_stride) {
   if (comp && bias)
-    epilogue_rows<true, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+    epilogue_rows<Acc, true, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
   else if (comp)
-    epilogue_rows<true, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+    epilogue_rows<Acc, true, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
   else if (bias)
-    epilogue_rows<false, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+    epilogue_rows<Acc, false, true>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
   else
-    epilogue_rows<false, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
+    epilogue_rows<Acc, false, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
 }
 
 // ---------------------------------------------------------------- small-M VNNI GEMM
@@ -273,29 +275,22 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
           vnni_dispatch(std::min(kSmallMaxM, M - r), xlo + r * K, K, g.w, n0, n0 + n_len,
                         acc_lo + r * kChunk, kChunk);
       }
-      if (kSplit) {
-        // ((float(128 * hi + lo) * ws) * sx) + bias, each product minus comp first
-        // (modular: exact), as scale_output does with the int64 sum.
-        for (int64_t m = 0; m < M; ++m) {
-          const float sm = sx[m];
-          float* o = y + m * y_stride + g.y_col + n0;
-          for (int64_t j = 0; j < n_len; ++j) {
-            const uint32_t cj = static_cast<uint32_t>(g.comp[n0 + j]);
-            const int64_t hi = static_cast<int32_t>(static_cast<uint32_t>(acc[m * kChunk + j]) - cj);
-            const int64_t lo = static_cast<int32_t>(static_cast<uint32_t>(acc_lo[m * kChunk + j]) - cj);
-            float v = static_cast<float>(hi * 128 + lo) * g.ws[n0 + j];
-            v = v * sm;
-            if (g.bias) v = v + g.bias[n0 + j];
-            o[j] = v;
-          }
-        }
+      const auto take_comp = [&](int32_t* a) {  // modular: exact once comp is taken off
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < n_len; ++j)
+            a[m * kChunk + j] = static_cast<int32_t>(static_cast<uint32_t>(a[m * kChunk + j]) -
+                                                     static_cast<uint32_t>(g.comp[n0 + j]));
+      };
+      take_comp(acc);
+      if (kSplit) {  // 128 * hi + lo in int64, then the same epilogue as scale_output's
+        take_comp(acc_lo);
+        int64_t wide[kSmallMaxRows * kChunk];
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < n_len; ++j)
+            wide[m * kChunk + j] = int64_t{acc[m * kChunk + j]} * 128 + acc_lo[m * kChunk + j];
+        epilogue(wide, kChunk, nullptr, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len,
+                 y + g.y_col + n0, y_stride);
         continue;
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        int32_t* a = acc + m * kChunk;
-        for (int64_t j = 0; j < n_len; ++j)  // modular: exact once comp is taken off
-          a[j] = static_cast<int32_t>(static_cast<uint32_t>(a[j]) -
-                                      static_cast<uint32_t>(g.comp[n0 + j]));
       }
       epilogue(acc, kChunk, nullptr, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len,
                y + g.y_col + n0, y_stride);
@@ -377,6 +372,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
   const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, N}, xf.options());
+  const auto finish = [&]() {  // the result in x's dtype and shape
+    if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+    return y.view(out_shape);
+  };
   if (M > 0 && N > 0) {
     const at::Tensor ws = as_float_vector(weight_scale, N, "weight_scale");
     at::Tensor b;
@@ -390,56 +389,44 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       cmp = comp->contiguous();
     }
     std::vector<float> sx(M);
+    // Small M on an AVX512-VNNI CPU: the hand-written kernel (same int32s, same epilogue).
+    const bool small_m = M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() &&
+                         comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
+                         comp->numel() == N;
+    at::Tensor c, wc;
+    quasar::Int8Segment seg{};
+    if (small_m) {
+      c = comp->contiguous();
+      wc = weight.contiguous();
+      seg = {wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(), ws.data_ptr<float>(),
+             b.defined() ? b.data_ptr<float>() : nullptr, 0};
+    }
     if (act_bits == 15) {  // 15-bit activations as two int8 halves (see Int8Linear)
       at::Tensor hi = at::empty({M, K}, xf.options().dtype(at::kByte));
       at::Tensor lo = at::empty({M, K}, xf.options().dtype(at::kByte));
       quasar::quantize_rows_split_u8(xf.data_ptr<float>(), M, K, hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(),
                                      sx.data());
-      const bool has_comp = comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
-                            comp->numel() == N;
-      if (M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() && has_comp) {
-        const at::Tensor c = comp->contiguous();
-        const at::Tensor wc = weight.contiguous();
-        const quasar::Int8Segment seg{wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(), ws.data_ptr<float>(),
-                                      b.defined() ? b.data_ptr<float>() : nullptr, 0};
+      if (small_m) {
         quasar::small_m_gemm_split(hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), M, K, &seg, 1, sx.data(),
                                    y.data_ptr<float>(), N);
-      } else {
-        // s8 halves (hi in [-128, 127], lo in [0, 127]), each an exact int32 GEMM
-        const auto gemm = [&](const at::Tensor& u) {
-          const at::Tensor q = u.to(at::kShort).sub_(128).to(at::kChar);
-          return (K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t())
-                         : at::_int_mm(q, weight.t()).to(at::kLong)).contiguous();
-        };
-        const at::Tensor acc = gemm(hi).mul_(128).add_(gemm(lo));
-        const int64_t* a = acc.data_ptr<int64_t>();
-        const float* wsp = ws.data_ptr<float>();
-        const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-        float* yp = y.data_ptr<float>();
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < N; ++n) {
-            float v = static_cast<float>(a[m * N + n]) * wsp[n];
-            v = v * sx[m];
-            if (bp) v = v + bp[n];
-            yp[m * N + n] = v;
-          }
+        return finish();
       }
-      if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
-      return y.view(out_shape);
+      // s8 halves (hi in [-128, 127], lo in [0, 127]), each an exact int32 GEMM
+      const auto gemm = [&](const at::Tensor& u) {
+        const at::Tensor q = u.to(at::kShort).sub_(128).to(at::kChar);
+        return K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t())
+                      : at::_int_mm(q, weight.t()).to(at::kLong);
+      };
+      const at::Tensor acc = gemm(hi).mul_(128).add_(gemm(lo)).contiguous();
+      epilogue(acc.data_ptr<int64_t>(), N, nullptr, ws.data_ptr<float>(), sx.data(),
+               b.defined() ? b.data_ptr<float>() : nullptr, M, N, y.data_ptr<float>(), N);
+      return finish();
     }
-    // Small M on an AVX512-VNNI CPU: the hand-written kernel (same int32s, same epilogue).
-    if (M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() &&
-        comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
-        comp->numel() == N) {
-      const at::Tensor c = comp->contiguous();
-      const at::Tensor wc = weight.contiguous();
+    if (small_m) {
       at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
       quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data());
-      const quasar::Int8Segment seg{wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(),
-                                    ws.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, 0};
       quasar::small_m_gemm(q.data_ptr<uint8_t>(), M, K, &seg, 1, sx.data(), y.data_ptr<float>(), N);
-      if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
-      return y.view(out_shape);
+      return finish();
     }
     at::Tensor acc;
     if (use_u8) {
@@ -459,8 +446,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
              ws.data_ptr<float>(), sx.data(), b.defined() ? b.data_ptr<float>() : nullptr, M, N,
              y.data_ptr<float>(), N);
   }
-  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
-  return y.view(out_shape);
+  return finish();
 }
 
 // The largest M that takes the small-M kernel (1..16; 0 disables it); max_m < 0 only reads.
