@@ -6,21 +6,24 @@ every verifier has its own static KV cache. One LLM decodes one request at a tim
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from quasar.defaults import DEFAULT_ADAPTIVE, DEFAULT_CONTEXT, DEFAULT_DRAFTER, DEFAULT_VERIFIER
+import quasar.quant  # noqa: F401  (registers the W8A8 checkpoint format with the model loader)
+from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_CONTEXT, DEFAULT_DRAFTER, DEFAULT_NGRAM_MAX,
+                             DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
 from quasar.errors import QuasarError
-from quasar.models.loader import LoadedModel, load_model
 from quasar.models.llama import Transformer
-from quasar.spec.drafters import make_drafter
-from quasar.spec.generate import Chunk, DecodeOptions, Result, decode
-from quasar.spec.sampling import SamplingParams
-from quasar.spec.verifiers import build_verifier, parse_verifier
-
+from quasar.models.loader import LoadedModel, load_model
+from quasar.speculative.drafters import drafter_class, make_drafter
+from quasar.speculative.generate import Chunk, DecodeOptions, Result, decode
+from quasar.speculative.sampling import SamplingParams
+from quasar.speculative.verifiers import build_verifier, parse_verifier
 
 
 @dataclass
@@ -37,6 +40,16 @@ class GenerationResult:
                 "drafter": self.drafter, "verifier": self.verifier, "stats": self.stats}
 
 
+@dataclass
+class DecodePlan:
+    """Checked decoding options: which drafter and verifier, and the loop's options."""
+
+    drafter: str
+    verifier: str
+    drafter_options: dict
+    options: DecodeOptions
+
+
 class LLM:
     """A loaded model ready to decode with any drafter/verifier pair.
 
@@ -49,7 +62,7 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         parse_verifier(verifier)
-        make_drafter(drafter)
+        drafter_class(drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.model.config
@@ -64,18 +77,47 @@ class LLM:
         return self.loaded.model
 
     def verifier_model(self, name: str) -> Transformer:
-        """The verifier `name`, built (and for w8a8 quantized or loaded from cache) once."""
+        """The verifier `name`, built (for w8a8: quantized or loaded from the cache, its kernels
+        compiled or loaded) and warmed up with one step, once."""
         if name not in self._verifiers:
             model = build_verifier(name, self.model, self._w8a8)
             model.setup_cache(self.max_context)
+            # One step now, so one-time work (loading the int8 kernels, packing weights) is
+            # not timed as decoding later.
+            model(torch.zeros((1, 1), dtype=torch.long, device=self.model.model.norm.weight.device), logits="last")
+            model.cache.length = 0
             self._verifiers[name] = model
         return self._verifiers[name]
 
+    def prepare(self, verifier: str | None = None, progress: bool = False) -> float | None:
+        """Build `verifier` (default: this LLM's) now; returns the seconds it took, or None
+        when it was ready already. With `progress`, a bar on stderr while it builds."""
+        name = verifier or self.verifier
+        parse_verifier(name)
+        if name in self._verifiers:
+            return None
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        done = threading.Event()
+        with tqdm(total=1, desc=f"building the {name.upper()} verifier (once, cached)", file=sys.stderr,
+                  disable=not progress, leave=False, bar_format="{desc}: {elapsed}") as bar:
+
+            def tick() -> None:  # keep the elapsed time moving while the build runs
+                while not done.wait(0.5):
+                    bar.refresh()
+
+            ticker = threading.Thread(target=tick, daemon=True)
+            ticker.start()
+            try:
+                self.verifier_model(name)
+            finally:
+                done.set()
+                ticker.join()
+        return time.perf_counter() - t0
+
     def _w8a8(self) -> Transformer:
-        try:
-            from quasar.quant.verifier import w8a8_verifier  # heavy; only when asked for
-        except ImportError:
-            raise QuasarError("verifier 'w8a8' is not available yet") from None
+        from quasar.quant.verifier import w8a8_verifier
 
         return w8a8_verifier(self.loaded, **self.quant_options)
 
@@ -88,26 +130,39 @@ class LLM:
             return self.tokenizer.encode_chat(prompt)
         raise QuasarError("prompt must be a string or a list of {role, content} messages")
 
-    def stream(self, prompt: str | list[dict] | None = None, *, prompt_ids: list[int] | None = None,
-               raw: bool = False, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None,
-               drafter: str | None = None, verifier: str | None = None, num_draft: int = 5,
-               ngram_min: int = 1, ngram_max: int = 3, adaptive: bool = DEFAULT_ADAPTIVE) -> Iterator[Chunk | Result]:
-        """Yield a Chunk per verifier step, then the Result (see `quasar.spec.generate`)."""
+    def check_options(self, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None,
+                      drafter: str | None = None, verifier: str | None = None,
+                      num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
+                      ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE) -> DecodePlan:
+        """Check decoding options without decoding (a QuasarError names the bad one, in
+        `param`) and resolve the drafter/verifier defaults; `stream` decodes with the result."""
         drafter = drafter or self.drafter
         verifier = verifier or self.verifier
+        parse_verifier(verifier)
+        drafter_options = {"n_min": ngram_min, "n_max": ngram_max} if drafter == "ngram" else {}
+        drafter_class(drafter).check_options(**drafter_options)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         opts = DecodeOptions(max_new_tokens=max_new_tokens, stop=stops, num_draft=num_draft, adaptive=adaptive,
                              sampling=SamplingParams(temperature, top_k, top_p, seed)).validate()
         if drafter == "none":
             opts.num_draft = 0
-        draft = make_drafter(drafter, **({"n_min": ngram_min, "n_max": ngram_max} if drafter == "ngram" else {}))
+        return DecodePlan(drafter, verifier, drafter_options, opts)
+
+    def stream(self, prompt: str | list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+               raw: bool = False, **options) -> Iterator[Chunk | Result]:
+        """Yield a Chunk per verifier step, then the Result (see `quasar.speculative.generate`).
+
+        `options` are those of `check_options`.
+        """
+        plan = self.check_options(**options)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt, raw)
         if len(ids) >= self.max_context:
             raise QuasarError(f"prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        draft = make_drafter(plan.drafter, **plan.drafter_options)
         with self._lock:
-            model = self.verifier_model(verifier)
-            yield from decode(model, self.tokenizer, ids, draft, opts)
+            model = self.verifier_model(plan.verifier)
+            yield from decode(model, self.tokenizer, ids, draft, plan.options)
 
     def generate(self, prompt: str | list[dict] | None = None, **options) -> GenerationResult:
         """Decode to the end; returns text, token ids, finish reason and stats."""

@@ -8,49 +8,22 @@ exit status 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
 
+from quasar.bench import commands as bench_commands
+from quasar.cli_args import add_decoding_args, add_model_args
 from quasar.errors import QuasarError
+from quasar.eval import commands as eval_commands
+from quasar.quant import commands as quant_commands
+from quasar.server import commands as server_commands
 
-# modules that define `register(subparsers)`; a missing one is simply not offered yet
-COMMAND_MODULES = ["quasar.quant.commands", "quasar.bench.commands", "quasar.eval.commands",
-                   "quasar.server.commands"]
+# each defines `register(subparsers)` for its subcommands
+COMMAND_MODULES = (quant_commands, bench_commands, eval_commands, server_commands)
 
 BUILTIN_PROMPT = ("Write a Python function `fizzbuzz(n)` that returns a list of strings for 1..n, "
                   "then explain it briefly.")
-
-
-def positive_int(value: str) -> int:
-    """argparse type for counts that must be at least 1."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a model directory")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="float dtype of the model")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-
-
-def add_decoding_args(p: argparse.ArgumentParser) -> None:
-    from quasar.defaults import DEFAULT_ADAPTIVE, DEFAULT_DRAFTER, DEFAULT_VERIFIER
-
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram")
-    p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | pruned:F")
-    p.add_argument("--num-draft", type=int, default=5, help="draft tokens per step (k)")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=3)
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
-                   help="choose the draft length per step (up to k + 3) from recent acceptance")
 
 
 def _generate_parser(sub) -> None:
@@ -88,7 +61,7 @@ def _read_prompt(args) -> str:
 
 def run_generate(args) -> int:
     from quasar.api import LLM
-    from quasar.spec.generate import Result
+    from quasar.speculative.generate import Result
 
     prompt = _read_prompt(args)
     llm = LLM(args.model, dtype=args.dtype, drafter=args.drafter, verifier=args.verifier, threads=args.threads)
@@ -96,6 +69,12 @@ def run_generate(args) -> int:
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                    num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    adaptive=args.adaptive)
+    llm.check_options(**{k: v for k, v in options.items() if k != "raw"})  # before any one-time work
+    # One-time work (quantizing or loading the W8A8 copy, loading its kernels) on its own
+    # line, so the decode rate below is decoding only.
+    seconds = llm.prepare(args.verifier, progress=sys.stderr.isatty())
+    if seconds is not None and args.verifier != "fp":
+        print(f"building the {args.verifier.upper()} verifier (once, cached): {seconds:.1f} s", file=sys.stderr)
     if args.json:
         print(json.dumps(llm.generate(prompt, **options).as_dict(), ensure_ascii=False))
         return 0
@@ -121,13 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"quasar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
+    for module in COMMAND_MODULES:
         module.register(sub)
     return parser
 

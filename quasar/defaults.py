@@ -1,9 +1,12 @@
-"""Defaults shared by the API, CLI and server (no heavy imports: `quasar --help` stays fast)."""
+"""Defaults shared by the API, CLI, server and bench (no heavy imports: `quasar --help` stays fast)."""
 
 DEFAULT_DRAFTER = "ngram"
 DEFAULT_VERIFIER = "w8a8"
 DEFAULT_CONTEXT = 8192
+# The paper's drafter: k = 5 draft tokens, n-grams of 1..3 tokens (vLLM's prompt lookup).
 DEFAULT_NUM_DRAFT = 5
-# Draft length chosen per step from recent acceptance: measured 60.3 vs 56.8 tokens/s for
-# fixed k=5 on the default model (10 bench prompts, 256 tokens, identical output).
+DEFAULT_NGRAM_MIN = 1
+DEFAULT_NGRAM_MAX = 3
+# Draft length chosen per step from recent acceptance (speculative.acceptance.AdaptiveDraftLength);
+# measured faster than a fixed k on the default model with identical output (BENCHMARKS.md).
 DEFAULT_ADAPTIVE = True

@@ -162,7 +162,7 @@ def one_request(host: str, port: int, path: str, body: dict, headers: dict, stre
 
 def load_prompts(args) -> list:
     if args.prompts_file:
-        from quasar.data import load_prompt_file
+        from quasar.data.user_files import load_prompt_file
 
         items = load_prompt_file(args.prompts_file)
         return [it.messages if it.is_chat else it.text for it in items]

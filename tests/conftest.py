@@ -23,7 +23,7 @@ def _session_cache(tmp_path_factory):
     """A private Quasar cache per test session, so W8A8 entries of throw-away tiny models do
     not pile up in the user's cache; the costly shared parts (the converted default model,
     the compiled int8 extension) are linked in from the user's cache and reused."""
-    from quasar.models.gguf import cache_root
+    from quasar.paths import cache_root
 
     user, tmp = cache_root(), tmp_path_factory.mktemp("quasar-cache")
     for sub in ("gguf", "torch_ext"):

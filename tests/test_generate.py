@@ -9,7 +9,7 @@ from scipy import stats as sps
 
 from quasar.api import LLM
 from quasar.errors import QuasarError
-from quasar.spec.generate import Result
+from quasar.speculative.generate import Result
 
 REPETITIVE = [
     "abcabcabcabcabc", "aaaaaaaaaa", "abababab", "hello hello hello", "defgdefgdefgdefg",
@@ -137,7 +137,7 @@ def test_speculative_sampling_matches_plain_sampling(char_llm):
     ids = char_llm.encode(prompt, raw=True)
     model = char_llm.verifier_model("fp")
     model.cache.length = 0
-    probs = torch.softmax(model(torch.tensor([ids]), logits="last")[0, -1] / 1.3, -1).numpy()
+    probs = torch.softmax(model(torch.tensor([ids]), logits="last")[0, -1] / 1.3, -1).double().numpy()
 
     n = 800
     first = _empirical(char_llm, prompt, n, 0, "ngram", 10_000)

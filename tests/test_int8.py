@@ -8,13 +8,8 @@ from torch import nn
 
 from quasar.errors import QuasarError
 from quasar.quant import kernels
-from quasar.quant.int8 import (
-    Int8Linear,
-    quantize_activation,
-    quantize_weight,
-    scale_output,
-    set_backend,
-)
+from quasar.quant.int8 import Int8Linear, set_backend
+from quasar.quant.numerics import quantize_activation, quantize_weight, reference_mm, scale_output
 
 SHAPES = [(1, 1), (3, 5), (64, 48), (131, 37), (577, 193), (1100, 70)]  # (K, N)
 CUDA = torch.cuda.is_available()
@@ -447,7 +442,7 @@ def small_m(ext_op):
 
 def _op_reference(x, w, ws, bias) -> torch.Tensor:
     qx, sx = quantize_activation(x)
-    return scale_output(kernels.reference_mm(qx, (w,)), sx, ws, bias, torch.float32)
+    return scale_output(reference_mm(qx, (w,)), sx, ws, bias, torch.float32)
 
 
 @pytest.mark.parametrize("k", [1, 2, 63, 64, 65, 577, 1536])

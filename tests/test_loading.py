@@ -19,7 +19,7 @@ PROMPTS = [
 
 
 def test_gguf_converts_once_into_cache(tmp_path, monkeypatch):
-    from quasar.data import default_model_path
+    from quasar.data.packages import default_model_path
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
@@ -39,7 +39,7 @@ def test_default_model_greedy_matches_transformers(default_model_dir):
     """Our greedy continuation of the real default model equals transformers' on the same GGUF."""
     from transformers import AutoModelForCausalLM
 
-    from quasar.data import default_model_path
+    from quasar.data.packages import default_model_path
 
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -90,7 +90,7 @@ def test_pickle_weights_are_refused(tiny_char_model):
 
 
 def test_truncated_gguf(tmp_path, monkeypatch):
-    from quasar.data import default_model_path
+    from quasar.data.packages import default_model_path
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "bad.gguf"

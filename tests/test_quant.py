@@ -19,7 +19,7 @@ from quasar.models.loader import load_model
 from quasar.quant import smooth as sm
 from quasar.quant.calibrate import calibrate, token_windows
 from quasar.quant.checkpoint import prepare_quantized_modules, quantization_config, save_checkpoint
-from quasar.quant.fidelity import run_fidelity
+from quasar.eval.fidelity import compare_models
 from quasar.quant.int8 import Int8Linear, set_backend
 from quasar.quant.quantize import _untie_lm_head, build_w8a8, clone_model
 
@@ -116,7 +116,7 @@ def test_fixed_alpha_and_float_lm_head(llama):
 
 
 def test_gptq_rounding_beats_nearest_on_its_inputs():
-    from quasar.quant.int8 import quantize_weight
+    from quasar.quant.numerics import quantize_weight
     from quasar.quant.quantize import gptq_quantize
 
     gen = torch.Generator().manual_seed(0)
@@ -222,10 +222,10 @@ def test_w8a8_verifier_is_cached(llama, tmp_path, monkeypatch):
 
 def test_run_fidelity(llama, w8a8):
     ids = llama.tokenizer.encode(CALIB[:600])
-    r = run_fidelity(llama.model, w8a8, ids, window=40)
+    r = compare_models(llama.model, w8a8, ids, window=40)
     assert {"top1_agreement", "kl_mean", "ppl_fp", "ppl_w8a8"} <= r.keys()
     assert r["tokens"] == len(ids) - 1 and 0.8 <= r["top1_agreement"] <= 1.0 and r["kl_mean"] >= 0
-    same = run_fidelity(llama.model, llama.model, ids, window=40)
+    same = compare_models(llama.model, llama.model, ids, window=40)
     assert same["top1_agreement"] == 1.0 and same["kl_mean"] < 1e-6 and same["ppl_fp"] == same["ppl_w8a8"]
 
 

@@ -282,7 +282,7 @@ def test_concurrent_clients_get_the_sequential_greedy_texts(main):
 
 
 def test_full_queue_answers_429_at_once(keyed):
-    engine = keyed.app.state.engine
+    engine = keyed.app.state.scheduler
     c = client(keyed, key=KEY)
     engine.pause()
     try:
@@ -322,7 +322,7 @@ def _cancelled(server) -> float:
 
 
 def test_disconnect_mid_stream_cancels_the_generation(main):
-    metrics, engine = main.app.state.metrics, main.app.state.engine
+    metrics, engine = main.app.state.metrics, main.app.state.scheduler
     cancelled, tokens = _cancelled(main), metrics.completion_tokens.value()
     stream = client(main).chat.completions.create(model="tiny", messages=USER, max_tokens=450, temperature=0,
                                                   stream=True, extra_body={"drafter": "none"})

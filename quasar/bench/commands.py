@@ -28,7 +28,7 @@ def _names(value: str, choices: tuple[str, ...], what: str, allow_none: bool) ->
 
 
 def register(sub) -> None:
-    from quasar.cli import add_model_args
+    from quasar.cli_args import add_draft_args, add_model_args
 
     p = sub.add_parser(
         "bench", help="benchmark Quasar's modes against peers (tokens/s, speedup, acceptance, bandwidth floor)",
@@ -51,9 +51,7 @@ def register(sub) -> None:
                    help=f"peers: {','.join(PEER_NAMES)}, all or none (default: all; unavailable ones are reported)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and engine; the median is kept")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run of each engine")
-    p.add_argument("--num-draft", type=int, default=5, help="draft tokens per step for n-gram modes (k)")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=3)
+    add_draft_args(p)
     p.add_argument("--bandwidth-gb", type=float, default=2.0,
                    help="GiB read to measure memory bandwidth (keep it far above the L3 cache)")
     p.add_argument("--out", default="bench-results", help="folder for report.md, results.json, plots")
@@ -76,7 +74,7 @@ def run_bench_command(args) -> int:
         command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
     )
     if args.prompts:  # fail on a bad file before loading anything heavy
-        from quasar.data import load_prompt_file
+        from quasar.data.user_files import load_prompt_file
 
         load_prompt_file(args.prompts)
     results = run_bench(cfg)

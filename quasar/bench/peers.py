@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from quasar.paths import cache_dir
+
 HF_PEERS = ("hf", "hf-pld")
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8")
 PEERS = HF_PEERS + LLAMACPP_PEERS
@@ -57,7 +59,7 @@ class RunResult:
     hist: Counter = field(default_factory=Counter)  # tokens emitted per step -> steps
 
 
-class Engine:
+class Contender:
     name: str = ""
     kind: str = "peer"  # "mode" (Quasar) or "peer"
     description: str = ""
@@ -137,7 +139,7 @@ class _HFShared:
         self.calls += 1
 
 
-class HFPeer(Engine):
+class HFPeer(Contender):
     def __init__(self, name: str, shared: _HFShared):
         self.name, self.shared = name, shared
         self.pld = name == "hf-pld"
@@ -201,10 +203,10 @@ def gguf_weight_bytes(path: Path) -> int:
 
 def q8_0_copy(src: Path, threads: int) -> Path:
     """A Q8_0 copy of `src` made by llama.cpp's quantizer, cached beside the GGUF conversion."""
-    from quasar.models.gguf import cache_dir_for, cache_root
+    from quasar.models.gguf import cache_dir_for
 
     llama_cpp = _import_llama_cpp()
-    out = cache_root() / "llamacpp" / f"{cache_dir_for(src).name}.Q8_0.gguf"
+    out = cache_dir("llamacpp") / f"{cache_dir_for(src).name}.Q8_0.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,7 +224,7 @@ def q8_0_copy(src: Path, threads: int) -> Path:
     return out
 
 
-class LlamaCppPeer(Engine):
+class LlamaCppPeer(Contender):
     def __init__(self, name: str, gguf_path: Path | None, threads: int, n_ctx: int, eos_ids: set[int],
                  why_no_gguf: str = ""):
         self.name, self.src, self.threads, self.n_ctx = name, gguf_path, threads, n_ctx
@@ -314,10 +316,10 @@ class LlamaCppPeer(Engine):
 
 
 def make_peers(names: list[str], *, model_dir: Path, dtype: torch.dtype, gguf_path: Path | None,
-               why_no_gguf: str, threads: int, n_ctx: int, eos_ids: set[int]) -> list[Engine]:
+               why_no_gguf: str, threads: int, n_ctx: int, eos_ids: set[int]) -> list[Contender]:
     """Engines for the requested peer names (not yet prepared)."""
     shared = _HFShared(model_dir, dtype, eos_ids)
-    engines: list[Engine] = []
+    engines: list[Contender] = []
     for name in names:
         if name in HF_PEERS:
             engines.append(HFPeer(name, shared))

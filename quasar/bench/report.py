@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 from quasar.errors import QuasarError
+from quasar.fileio import write_atomic
 
 RESULTS_JSON = "results.json"
 REPORT_MD = "report.md"
@@ -54,19 +53,6 @@ def _clean(obj):
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
     return obj
-
-
-def write_atomic(path: Path, text: str | bytes) -> None:
-    """Write via a temporary file in the same folder and rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8") if isinstance(text, str) else text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:

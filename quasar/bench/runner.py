@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from quasar.bench import bandwidth as bw
-from quasar.bench.peers import PEERS, Engine, RunResult, Unavailable, make_peers
+from quasar.bench.peers import PEERS, Contender, RunResult, Unavailable, make_peers
+from quasar.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
 
 SCHEMA_VERSION = 1
@@ -68,9 +69,9 @@ class BenchConfig:
     peers: list[str] = field(default_factory=lambda: list(PEERS))
     repeats: int = DEFAULT_REPEATS
     warmup: bool = True
-    num_draft: int = 5
-    ngram_min: int = 1
-    ngram_max: int = 3
+    num_draft: int = DEFAULT_NUM_DRAFT
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = DEFAULT_NGRAM_MAX
     bandwidth_bytes: int = bw.DEFAULT_BYTES
     bandwidth_repeats: int = bw.DEFAULT_REPEATS
     progress: bool = True
@@ -109,11 +110,12 @@ class BenchPrompt:
 def load_prompts(cfg: BenchConfig, llm) -> tuple[list[BenchPrompt], list[str]]:
     """Prompts as token ids. Chat items go through the model's chat template; raw text items
     are fed as-is for the code task (completion of a function) and as one user turn otherwise."""
-    from quasar import data
+    from quasar.bench.tasks import TASKS, task_prompts
+    from quasar.data.user_files import load_prompt_file
 
     warnings: list[str] = []
     if cfg.prompts_file:
-        items = data.load_prompt_file(cfg.prompts_file)
+        items = load_prompt_file(cfg.prompts_file)
         per_task: dict[str, int] = {}
         chosen = []
         for i, item in enumerate(items):
@@ -123,12 +125,12 @@ def load_prompts(cfg: BenchConfig, llm) -> tuple[list[BenchPrompt], list[str]]:
             per_task[task] = per_task.get(task, 0) + 1
             chosen.append((task, item.id or f"{Path(cfg.prompts_file).name}:{i + 1}", item))
     else:
-        bad = [t for t in cfg.tasks if t not in data.TASKS]
+        bad = [t for t in cfg.tasks if t not in TASKS]
         if bad:
-            raise QuasarError(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(data.TASKS)}")
+            raise QuasarError(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
         chosen = []
         for task in cfg.tasks:
-            for j, item in enumerate(data.task_prompts(task, cfg.n or DEFAULT_N)):
+            for j, item in enumerate(task_prompts(task, cfg.n or DEFAULT_N)):
                 chosen.append((task, item.id or f"{task}-{j}", item))
     prompts = []
     for task, pid, item in chosen:
@@ -152,7 +154,7 @@ def load_prompts(cfg: BenchConfig, llm) -> tuple[list[BenchPrompt], list[str]]:
 # --------------------------------------------------------------------------- Quasar modes
 
 
-class QuasarMode(Engine):
+class QuasarMode(Contender):
     kind = "mode"
 
     def __init__(self, name: str, llm, cfg: BenchConfig):
@@ -163,11 +165,11 @@ class QuasarMode(Engine):
         self.description = f"Quasar: {draft}, verifier {self.verifier}"
 
     def prepare(self) -> None:
-        try:  # builds the verifier once (w8a8: quantizes); "not available yet" is reported
+        try:  # builds the verifier once (w8a8: quantizes or loads it); one that cannot be built is reported
             model = self.llm.verifier_model(self.verifier)
         except QuasarError as e:
             raise Unavailable(str(e)) from None
-        from quasar.spec.verifiers import model_bytes
+        from quasar.speculative.verifiers import model_bytes
 
         self.bytes_per_step = model_bytes(model)
         self.weights = f"{self.llm.loaded.model_dir} ({self.verifier}, {self.llm.dtype})"
@@ -292,7 +294,7 @@ def aggregate(records: list[dict], bytes_per_step: int | None, bandwidth_gbps: f
     }
 
 
-def _summaries(per_prompt: list[dict], engines: list[Engine], bandwidth_gbps: float) -> dict:
+def _summaries(per_prompt: list[dict], engines: list[Contender], bandwidth_gbps: float) -> dict:
     """{"modes": {...}, "peers": {...}} for a set of prompts, speedups filled in."""
     out: dict = {"modes": {}, "peers": {}}
     for e in engines:
@@ -338,7 +340,7 @@ def _progress(total: int, enabled: bool):
 
 def _gguf_source(cfg: BenchConfig) -> tuple[Path | None, str]:
     if cfg.model == "default":
-        from quasar.data import default_model_path
+        from quasar.data.packages import default_model_path
 
         return default_model_path(), ""
     path = Path(cfg.model).expanduser()
@@ -362,7 +364,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     gguf_path, why_no_gguf = _gguf_source(cfg)
     n_ctx = max(len(p.ids) for p in prompts) + cfg.max_new_tokens + 64
-    candidates: list[Engine] = [QuasarMode(m, llm, cfg) for m in cfg.modes]
+    candidates: list[Contender] = [QuasarMode(m, llm, cfg) for m in cfg.modes]
     candidates += make_peers(cfg.peers, model_dir=llm.loaded.model_dir, dtype=llm.model.model.norm.weight.dtype,
                              gguf_path=gguf_path, why_no_gguf=why_no_gguf, threads=threads, n_ctx=n_ctx,
                              eos_ids=set(llm.tokenizer.eos_ids))

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from quasar.cli import positive_int
+from quasar.cli_args import positive_int
 
 DEFAULT_OUT = "quasar-eval"
 _TASKS = "fidelity,perplexity,humaneval,mmlu,boolq,asdiv"
@@ -33,7 +33,7 @@ def _limit(value: str) -> int:
 
 
 def register(sub) -> None:
-    from quasar.cli import add_model_args
+    from quasar.cli_args import add_model_args
 
     p = sub.add_parser(
         "eval", help="task quality of two verifiers side by side (float vs W8A8)",
@@ -71,7 +71,7 @@ def register(sub) -> None:
 
 def run_eval(args) -> int:
     from quasar.errors import QuasarError
-    from quasar.eval.runner import Runner, fidelity_function, parse_verifiers, render_report
+    from quasar.eval.runner import Runner, parse_verifiers, render_report
     from quasar.eval.tasks import EvalConfig, parse_tasks
 
     verifiers = parse_verifiers(args.verifiers)
@@ -79,8 +79,6 @@ def run_eval(args) -> int:
         tasks = ["fidelity"]
         if verifiers != ["fp", "w8a8"]:
             raise QuasarError("'quasar eval fidelity' compares fp with w8a8; drop --verifiers")
-        if fidelity_function() is None:
-            raise QuasarError("fidelity is not available yet (quasar.quant.fidelity.run_fidelity not found)")
     else:
         tasks = parse_tasks(args.tasks)
     if not 0 <= args.shots <= 16:

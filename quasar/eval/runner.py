@@ -8,29 +8,25 @@ the tasks it finished.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import math
-import os
 import sys
-import tempfile
 import time
-from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
 from quasar.errors import QuasarError
+from quasar.eval.fidelity import DEFAULT_WINDOW, fidelity_text, run_fidelity
+from quasar.fileio import write_atomic
 from quasar.eval.tasks import FIDELITY, TASKS, EvalConfig, ppl_window
 
-FIDELITY_MODULE = "quasar.quant.fidelity"
 FIDELITY_KEYS = ("top1_agreement", "kl_mean", "ppl_fp", "ppl_w8a8")
 
 
 def parse_verifiers(spec: str) -> list[str]:
     """'fp,w8a8' -> ['fp', 'w8a8']: one verifier, or two to compare (the first is the baseline)."""
-    from quasar.spec.verifiers import parse_verifier
+    from quasar.speculative.verifiers import parse_verifier
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not 1 <= len(names) <= 2 or len(set(names)) != len(names):
@@ -38,65 +34,6 @@ def parse_verifiers(spec: str) -> list[str]:
     for name in names:
         parse_verifier(name)
     return names
-
-
-# --------------------------------------------------------------------------- fidelity
-
-
-def fidelity_function():
-    """`run_fidelity` from quasar.quant.fidelity, or None while that module does not exist."""
-    try:
-        module = importlib.import_module(FIDELITY_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name not in (FIDELITY_MODULE, "quasar.quant"):
-            raise
-        return None
-    return getattr(module, "run_fidelity", None)
-
-
-def _as_dict(result: Any) -> dict:
-    if isinstance(result, dict):
-        return result
-    for attr in ("as_dict", "to_dict"):
-        if callable(getattr(result, attr, None)):
-            return getattr(result, attr)()
-    if is_dataclass(result):
-        return asdict(result)
-    raise QuasarError(f"run_fidelity returned {type(result).__name__}, expected a dict")
-
-
-def fidelity_text(cfg: EvalConfig) -> str:
-    """The user's --text-file, else the held-out calibration text (never calibrated on)."""
-    from quasar.data import calibration_texts, read_text_file
-
-    if cfg.text_file:
-        return read_text_file(cfg.text_file)
-    return "\n\n".join(t for t in calibration_texts(part="heldout").values() if t.strip())
-
-
-def run_fidelity(llm, cfg: EvalConfig, progress: bool = False) -> dict:
-    """Delegate to quasar.quant.fidelity.run_fidelity(llm, text, ...); QuasarError if absent.
-
-    Optional keyword arguments are passed only when its signature names them: limit
-    (the --limit given), window, stride, progress.
-    """
-    fn = fidelity_function()
-    if fn is None:
-        raise QuasarError(f"fidelity is not available yet ({FIDELITY_MODULE}.run_fidelity not found)")
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    wanted = {"limit": cfg.limit if cfg.limit is not None and cfg.limit >= 0 else None,
-              "progress": progress}
-    if cfg.window:
-        wanted["window"] = cfg.window
-    if cfg.stride:
-        wanted["stride"] = cfg.stride
-    kwargs = {k: v for k, v in wanted.items() if k in params and (v is not None or k == "limit")}
-    if "limit" in kwargs and kwargs["limit"] is None:
-        del kwargs["limit"]
-    return _as_dict(fn(llm, fidelity_text(cfg), **kwargs))
 
 
 # --------------------------------------------------------------------------- runner
@@ -140,10 +77,8 @@ def fidelity_entry(llm, cfg: EvalConfig, verifiers: Sequence[str], progress: boo
     if list(verifiers) != ["fp", "w8a8"]:
         return unavailable("fidelity", FIDELITY.metric, False, verifiers,
                            "fidelity compares fp with w8a8 only (--verifiers fp,w8a8)")
-    if fidelity_function() is None:
-        return unavailable("fidelity", FIDELITY.metric, False, verifiers,
-                           f"not available yet ({FIDELITY_MODULE}.run_fidelity not found)")
-    raw = run_fidelity(llm, cfg, progress)
+    raw = run_fidelity(llm, fidelity_text(cfg.text_file), window=cfg.window or DEFAULT_WINDOW, stride=cfg.stride,
+                       limit=cfg.limit if cfg.limit is not None and cfg.limit >= 0 else None, progress=progress)
     metrics = {"fp": {"perplexity": raw.get("ppl_fp")}, "w8a8": {"perplexity": raw.get("ppl_w8a8")}}
     entry = compare("fidelity", FIDELITY.metric, False, verifiers, metrics)
     for key in ("top1_agreement", "kl_mean"):
@@ -233,23 +168,6 @@ class Runner:
         write_atomic(self.out / "samples.jsonl", samples)
         write_atomic(self.out / "results.json", json.dumps(self.results, indent=2, ensure_ascii=False) + "\n")
         write_atomic(self.out / "report.md", render_report(self.results))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, then rename over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 # --------------------------------------------------------------------------- report

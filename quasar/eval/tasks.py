@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from quasar.errors import QuasarError
+from quasar.eval.windows import default_stride, sliding_windows
 
 # --------------------------------------------------------------------------- settings
 
@@ -180,25 +181,9 @@ class Window:
     score_from: int  # tokens before this index are context only
 
 
-def _windows(ids: list[int], window: int, stride: int) -> list[tuple[int, int, int]]:
-    """(begin, end, first scored index) per window. Every token but the first is scored
-    exactly once; windows advance by `stride` (at most window - 1, so that the first scored
-    token of a window has context) and each scored token sees >= window - stride tokens
-    before it within its window (except in the first window)."""
-    n = len(ids)
-    if n < 2:
-        return []
-    step = max(1, min(stride, window - 1))
-    end = min(window, n)
-    out = [(0, end, 1)]
-    while end < n:
-        prev_end, end = end, min(end + step, n)
-        out.append((max(0, end - window), end, prev_end))
-    return out
-
-
 def _ppl_sources(cfg: EvalConfig) -> dict[str, list[str]]:
-    from quasar.data import calibration_texts, read_text_records
+    from quasar.data.calibration import calibration_texts
+    from quasar.data.user_files import read_text_records
 
     if cfg.text_file:
         return {Path(cfg.text_file).name: read_text_records(cfg.text_file)}
@@ -207,7 +192,7 @@ def _ppl_sources(cfg: EvalConfig) -> dict[str, list[str]]:
 
 def ppl_window(llm, cfg: EvalConfig) -> tuple[int, int]:
     window = min(cfg.window or PPL_WINDOW, llm.max_context)
-    stride = cfg.stride or max(1, window // 2)
+    stride = cfg.stride or default_stride(window)
     if window < 2 or not 1 <= stride <= window:
         raise QuasarError(f"perplexity needs window >= 2 and 1 <= stride <= window (got {window}, {stride})")
     return window, stride
@@ -221,7 +206,7 @@ def load_perplexity(llm, cfg: EvalConfig) -> list[Window]:
         taken = 0
         for doc in docs:
             ids = llm.tokenizer.encode(doc)
-            for begin, end, first in _windows(ids, window, stride):
+            for begin, end, first in sliding_windows(len(ids), window, stride):
                 if limit is not None and taken >= limit:
                     break
                 items.append(Window(source, ids[begin:end], first - begin))
@@ -268,7 +253,7 @@ class ChoiceItem:
 
 
 def load_mmlu(llm, cfg: EvalConfig) -> list[ChoiceItem]:
-    from quasar.data import load_mmlu as load
+    from quasar.data.datasets import load_mmlu as load
 
     pool, items = _split_pool(load(), cfg, "mmlu")
     shots = "".join(_mmlu_block(s, True) + "\n\n" for s in pool[:cfg.shots])
@@ -286,7 +271,7 @@ def _boolq_block(item, with_answer: bool) -> str:
 
 
 def load_boolq(llm, cfg: EvalConfig) -> list[ChoiceItem]:
-    from quasar.data import load_boolq as load
+    from quasar.data.datasets import load_boolq as load
 
     pool, items = _split_pool(load(), cfg, "boolq")
     shots = "".join(_boolq_block(s, True) + "\n\n" for s in pool[:cfg.shots])
@@ -353,7 +338,7 @@ def _generation_stats(records: list[dict]) -> dict:
 
 
 def load_humaneval(llm, cfg: EvalConfig) -> list[dict]:
-    from quasar.data import load_humaneval as load
+    from quasar.data.datasets import load_humaneval as load
 
     return load(cfg.limit_for("humaneval"))
 
@@ -401,7 +386,7 @@ def parse_last_number(text: str) -> float | None:
 
 
 def load_asdiv(llm, cfg: EvalConfig) -> list:
-    from quasar.data import load_asdiv as load
+    from quasar.data.datasets import load_asdiv as load
 
     return _spread(load(), cfg.limit_for("asdiv"))
 
@@ -436,7 +421,7 @@ TASKS: dict[str, Task] = {
                   "exact match of the last number in a greedy chat answer"),
 }
 FIDELITY = Task("fidelity", "perplexity", False, None, None, None,  # type: ignore[arg-type]
-                "float vs w8a8 on held-out text: top-1 agreement, KL, perplexity (quasar.quant.fidelity)")
+                "float vs w8a8 on held-out text: top-1 agreement, KL, perplexity (quasar.eval.fidelity)")
 
 
 def parse_tasks(spec: str) -> list[str]:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from quasar.errors import QuasarError
+from quasar.fileio import atomic_dir
+from quasar.paths import cache_dir
 
 # GGUF architecture -> Hugging Face model_type
 GGUF_ARCHES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -39,33 +38,19 @@ LAYER_NAMES = {
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("QUASAR_CACHE") or Path.home() / ".cache" / "quasar")
-
-
 def cache_dir_for(path: Path) -> Path:
+    """The conversion's cache folder, keyed by the file's path, size and modification time."""
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{path.stem}-{digest}"
+    return cache_dir("gguf") / f"{path.stem}-{digest}"
 
 
 def gguf_to_hf_dir(path: Path) -> Path:
     """Return the cached float HF directory for `path`, converting on first use."""
     target = cache_dir_for(path)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
-        _convert(path, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (target / "config.json").is_file():
+        atomic_dir(target, lambda tmp: _convert(path, tmp), exist_ok=True)
     return target
 
 

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
+from quasar.models.formats import quantized_format
 from quasar.models.llama import Transformer, rope_inv_freq
 
 
@@ -64,9 +65,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
     with torch.device("meta"):
         model = Transformer(cfg)
     if quant_config is not None:
-        from quasar.quant.checkpoint import prepare_quantized_modules
-
-        prepare_quantized_modules(model, quant_config, tensors)
+        quantized_format(quant_config, source)(model, quant_config, tensors)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

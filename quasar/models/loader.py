@@ -27,7 +27,7 @@ class LoadedModel:
 def resolve_model_dir(source: str | Path) -> Path:
     """Map a model source to a Hugging Face-format directory (converting GGUF once)."""
     if str(source) == "default":
-        from quasar.data import default_model_path
+        from quasar.data.packages import default_model_path
 
         source = default_model_path()
     path = Path(source).expanduser()

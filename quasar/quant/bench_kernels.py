@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quasar.quant.int8 import Int8Linear, quantize_activation, scale_output
+from quasar.quant.int8 import Int8Linear
+from quasar.quant.numerics import quantize_activation, scale_output
 from quasar.quant.kernels import CPU_VARIANTS, exact_cpu_variants
 
 # (name, out_features, in_features): SmolLM2-135M layers, plus DESIGN.md's reference layer.

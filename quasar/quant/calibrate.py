@@ -53,7 +53,7 @@ class CalibrationStats:
 
 def builtin_calibration_text() -> dict[str, str]:
     """The calibration part of the standard corpus (never its held-out tail)."""
-    from quasar.data import calibration_texts
+    from quasar.data.calibration import calibration_texts
 
     return {k: v for k, v in calibration_texts(part="calibration").items() if v.strip()}
 

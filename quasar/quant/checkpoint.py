@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
+from quasar.fileio import atomic_dir
 from quasar.models.llama import Transformer
 from quasar.quant import fused_step
-from quasar.quant.int8 import ACT_BITS, Int8Linear
+from quasar.quant.int8 import Int8Linear
+from quasar.quant.numerics import ACT_BITS
 
 FORMAT_VERSION = 1
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
@@ -147,25 +147,6 @@ def prepare_quantized_modules(model: Transformer, quant_config: dict, tensors: d
 # --------------------------------------------------------------------------- writing
 
 
-def _atomic_dir(out: Path, fill: Callable[[Path], None], exist_ok: bool = False) -> Path:
-    """Run ``fill(tmp)`` on a temporary sibling of ``out`` and rename it to ``out``."""
-    out = Path(out)
-    if out.exists() and not exist_ok:
-        raise QuasarError(f"{out} already exists; choose a new output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        fill(tmp)
-        if out.exists():
-            if not exist_ok:
-                raise QuasarError(f"{out} already exists; choose a new output directory")
-            return out  # someone else finished the same cache entry first
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def _copy_tokenizer(src: Path, dst: Path) -> None:
     if not (Path(src) / "tokenizer.json").is_file():
         raise QuasarError(f"{src}: no tokenizer.json to copy into the checkpoint")
@@ -215,7 +196,7 @@ def save_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str | Pa
     config["torch_dtype"] = _dtype_name(dtype)
     config["quantization_config"] = quantization_config([] if int8_head else ["lm_head"], info)
     tensors = _state_tensors(model, tied)
-    return _atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)), exist_ok)
+    return atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)), exist_ok)
 
 
 def export_compressed_tensors(model: Transformer, out: str | Path, tokenizer_dir: str | Path,
@@ -242,4 +223,4 @@ def export_compressed_tensors(model: Transformer, out: str | Path, tokenizer_dir
     config = cfg.to_hf()
     config["torch_dtype"] = _dtype_name(dtype)
     config["quantization_config"] = quantization_config(["lm_head"])
-    return _atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)))
+    return atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)))

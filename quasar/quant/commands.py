@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from quasar.cli import positive_int
+from quasar.cli_args import positive_int
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    from quasar.cli import add_model_args
+    from quasar.cli_args import add_model_args
 
     p = sub.add_parser(
         "quantize", help="write a W8A8 (int8 weights + int8 activations) checkpoint",
@@ -120,7 +120,7 @@ def run_quantize(args) -> int:
                     "down_act_bits")
     calib_text = None
     if args.calib is not None:
-        from quasar.data import read_text_file
+        from quasar.data.user_files import read_text_file
 
         calib_text = read_text_file(args.calib)  # missing / empty / not UTF-8: clear errors
     import torch
@@ -151,7 +151,7 @@ def run_export(args) -> int:
     out = _check_out(args.out)
     opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "rotate", "gptq", "down_act_bits")
     if args.calib is not None:
-        from quasar.data import read_text_file
+        from quasar.data.user_files import read_text_file
 
         read_text_file(args.calib)  # fail early on a bad file
         opts["calib"] = args.calib

@@ -6,7 +6,7 @@ same IEEE operations in the same order, so its results are bitwise equal (checke
 per process on load; a mismatch disables it).
 
 Build and cache: on the first call to :func:`int8_linear_op` in a process the op is loaded
-from ``cache_root()/torch_ext/int8_linear-<digest>/int8_linear.so``, where the digest covers
+from ``$QUASAR_CACHE/torch_ext/int8_linear-<digest>/int8_linear.so``, where the digest covers
 the source, the compiler flags, the torch build and the Python ABI, so an upgrade builds a
 fresh copy. A cache hit only ``dlopen``s the library (no compiler, no
 ``torch.utils.cpp_extension`` import). On a miss one process builds it with
@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from quasar.paths import cache_dir
 
 __all__ = [
     "ENV_DISABLE",
@@ -129,9 +131,7 @@ def info() -> dict[str, Any]:
 
 def build_dir() -> Path:
     """The cache directory for this source, flag set, torch build and Python ABI."""
-    from quasar.models.gguf import cache_root
-
-    return cache_root() / "torch_ext" / f"{NAME}-{_digest()}"
+    return cache_dir("torch_ext") / f"{NAME}-{_digest()}"
 
 
 def _digest() -> str:
@@ -266,8 +266,7 @@ def _build(build_directory: Path, env_path: str) -> None:
 
 def _self_check(op: Callable[..., torch.Tensor]) -> None:
     """The op must reproduce the PyTorch path bit for bit (e.g. no FMA contraction)."""
-    from quasar.quant.int8 import quantize_activation, scale_output
-    from quasar.quant.kernels import reference_mm
+    from quasar.quant.numerics import quantize_activation, reference_mm, scale_output
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randint(-128, 128, (19, 131), generator=gen, dtype=torch.int8)

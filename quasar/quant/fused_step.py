@@ -93,7 +93,7 @@ class FusedW8A8Step:
             if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
                 return False
             for m in linears:
-                packed = m.packed()
+                packing = m.packing()
                 w, s, b = m._buffers["weight"], m._buffers["weight_scale"], m._buffers["bias"]
                 if not (w.is_contiguous() and s.dtype == torch.float32 and s.is_contiguous()):
                     return False
@@ -104,9 +104,10 @@ class FusedW8A8Step:
                 scales.append(s)
                 biases.append(b)
                 # 128 * rowsum(W): the cpu packing's own copy when its u8x variant made one.
-                comps.append(packed[4][3] if packed[4][3] is not None else u8x_pack(w)[1])
+                comp = packing.packed.comp
+                comps.append(comp if comp is not None else u8x_pack(w)[1])
                 watch += [(m._buffers, "weight", w), (m._buffers, "weight_scale", s), (m._buffers, "bias", b),
-                          (m.__dict__, "_packed", packed), (m.__dict__, "act_bits", m.act_bits)]
+                          (m.__dict__, "_packing", packing), (m.__dict__, "act_bits", m.act_bits)]
             for n in layer_norms:
                 watch.append((n._parameters, "weight", n.weight))
             watch += [(layer._modules, "input_layernorm", layer.input_layernorm),

@@ -29,64 +29,30 @@ bytes read per step and every kernel stay int8; only the GEMM work doubles.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
-from quasar.quant.kernels import BACKENDS, MAX_IN_FEATURES, get_kernel
+from quasar.quant.kernels import BACKENDS, get_kernel
+from quasar.quant.numerics import (ACT_BITS, MAX_IN_FEATURES, quantize_activation, quantize_weight, scale_output,
+                                   split_mm)
 
-__all__ = [
-    "ACT_BITS",
-    "BACKEND_NAMES",
-    "Int8Linear",
-    "quantize_activation",
-    "split_mm",
-    "quantize_weight",
-    "scale_output",
-    "set_backend",
-]
+__all__ = ["BACKEND_NAMES", "Int8Linear", "Packing", "set_backend"]
 
 BACKEND_NAMES = ("auto", *BACKENDS)
-# Rows whose max is below 127 * _MIN_SCALE get scale _MIN_SCALE instead of dividing by ~0.
-_MIN_SCALE = 1e-12
 
 
-def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per output channel: scale = max|w_row| / 127 (1.0 for zero rows)."""
-    if w.dim() != 2 or not w.is_floating_point():
-        raise QuasarError(f"quantize_weight expects a 2-D float tensor, got {w.dim()}-D {w.dtype}")
-    w32 = w.detach().float()
-    amax = w32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w32 / scale).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+class Packing(NamedTuple):
+    """An Int8Linear's weight in its kernel's layout, and what it was made from."""
 
-
-ACT_BITS = (8, 15)  # activation precisions an Int8Linear runs (see the module doc)
-
-
-def quantize_activation(x: Tensor, bits: int = 8) -> tuple[Tensor, Tensor]:
-    """Dynamic symmetric per-token quantization (last dim) to ``bits`` bits: returns
-    (int8, or int16 for 15 bits, like x; float32 scales [..., 1]).
-
-    Only per-row reductions and correctly rounded elementwise ops, so a row's result is
-    independent of the other rows. |x / scale| <= limit up to one rounding, so no clamp.
-    """
-    limit = float(2 ** (bits - 1) - 1)  # 127 or 16383
-    xf = x if x.dtype == torch.float32 else x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min_(limit * _MIN_SCALE).div_(limit)
-    q = torch.div(xf, scale).round_().to(torch.int8 if bits == 8 else torch.int16)
-    return q, scale
-
-
-def split_mm(mm: Any, packed: Any, q: Tensor) -> Tensor:
-    """The exact product of 15-bit activations q (int16) with an int8 weight as two int8
-    GEMMs: q = 128 * hi + lo, hi in [-128, 127], lo in [0, 127]; int64 result."""
-    hi = torch.bitwise_right_shift(q, 7).to(torch.int8)
-    lo = torch.bitwise_and(q, 127).to(torch.int8)
-    return mm(hi, packed).to(torch.int64).mul_(128).add_(mm(lo, packed))
+    backend: str  # the backend requested when it was made ("auto" included)
+    weight: Tensor  # the weight tensor it was made from; held, so its identity check is safe
+    version: int | None  # that tensor's version counter then
+    mm: Any  # the kernel's GEMM: mm(qx, packed) -> int32 [M, N]
+    packed: Any  # the kernel's packed weight
+    fused: tuple | None  # (op, extra args) of a fused C++ layer op, or None
 
 
 def _version(t: Tensor) -> int | None:
@@ -134,10 +100,7 @@ class Int8Linear(nn.Module):
         self.register_buffer(
             "bias", torch.zeros(out_features, dtype=torch.float32, device=device) if bias else None
         )
-        # (requested backend, weight tensor, its version, mm function, packed weight,
-        # fused (op, extra args) or None); holding the tensor keeps the identity check
-        # safe from address reuse.
-        self._packed: tuple[str, Tensor, int | None, Any, Any, Any] | None = None
+        self._packing: Packing | None = None  # built on first use, see packing()
         self.register_load_state_dict_post_hook(_drop_packed)
 
     @classmethod
@@ -177,21 +140,21 @@ class Int8Linear(nn.Module):
             )
         return self.backend
 
-    def repack(self) -> Any:
+    def repack(self) -> Packing:
         """Rebuild the kernel's weight layout now (otherwise done lazily on forward)."""
         name = self.resolved_backend()
         weight = self._buffers["weight"]
         kernel = get_kernel(name)
         packed = kernel.pack(weight)
         fused = kernel.fused(packed) if kernel.fused is not None else None
-        self._packed = (self.backend, weight, _version(weight), kernel.mm, packed, fused)
-        return self._packed
+        self._packing = Packing(self.backend, weight, _version(weight), kernel.mm, packed, fused)
+        return self._packing
 
-    def packed(self) -> tuple[str, Tensor, int | None, Any, Any, Any]:
+    def packing(self) -> Packing:
         """The kernel's weight layout for the current weight and backend, rebuilt when
         either changed since it was made (see ``repack``)."""
-        c, weight = self._packed, self._buffers["weight"]
-        if c is None or c[0] != self.backend or c[1] is not weight or c[2] != _version(weight):
+        c, weight = self._packing, self._buffers["weight"]
+        if c is None or c.backend != self.backend or c.weight is not weight or c.version != _version(weight):
             c = self.repack()
         return c
 
@@ -203,14 +166,14 @@ class Int8Linear(nn.Module):
                 f"got {x.dtype} {tuple(x.shape)}"
             )
         buffers = self._buffers  # direct dict access: this runs per layer per token
-        weight, c = buffers["weight"], self.packed()
-        fused = c[5]
-        if fused is not None and not (x.requires_grad and torch.is_grad_enabled()):
+        weight, c = buffers["weight"], self.packing()
+        if c.fused is not None and not (x.requires_grad and torch.is_grad_enabled()):
             # The `cpu` backend's C++ op (quasar.quant.ext): same bits, one call.
-            return fused[0](x, weight, buffers["weight_scale"], buffers["bias"], *fused[1], self.act_bits)
+            op, extra = c.fused
+            return op(x, weight, buffers["weight_scale"], buffers["bias"], *extra, self.act_bits)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         qx, sx = quantize_activation(x2, self.act_bits)
-        acc = c[3](qx, c[4]) if self.act_bits == 8 else split_mm(c[3], c[4], qx)
+        acc = c.mm(qx, c.packed) if self.act_bits == 8 else split_mm(c.mm, c.packed, qx)
         y = scale_output(acc, sx, buffers["weight_scale"], buffers["bias"], x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
@@ -222,28 +185,9 @@ class Int8Linear(nn.Module):
         )
 
 
-def scale_output(
-    acc: Tensor, sx: Tensor, weight_scale: Tensor, bias: Tensor | None, dtype: torch.dtype
-) -> Tensor:
-    """int32 (int64 for 15-bit activations) [M, N] -> contiguous ``dtype`` [M, N] as
-    ``(float(acc) * s_w) * s_x + bias``.
-
-    One fixed fp32 order on every backend and batch size keeps results bitwise equal.
-    """
-    if weight_scale.dtype != torch.float32:  # e.g. after module.half()
-        weight_scale = weight_scale.float()
-    y = torch.mul(acc, weight_scale.t())
-    y.mul_(sx)
-    if bias is not None:
-        y.add_(bias)
-    if y.dtype != dtype:
-        y = y.to(dtype)
-    return y if y.is_contiguous() else y.contiguous()
-
-
 def _drop_packed(module: nn.Module, incompatible_keys: Any) -> None:
     """load_state_dict post-hook: the packed layout is stale once weights are reloaded."""
-    module._packed = None
+    module._packing = None
 
 
 def _check_backend(name: str) -> str:
@@ -262,6 +206,6 @@ def set_backend(module: nn.Module, name: str) -> int:
     for sub in module.modules():
         if isinstance(sub, Int8Linear):
             sub.backend = name
-            sub._packed = None
+            sub._packing = None
             count += 1
     return count

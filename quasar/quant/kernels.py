@@ -22,6 +22,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from quasar.quant.numerics import MAX_IN_FEATURES, reference_mm
+
 __all__ = [
     "BACKENDS",
     "Kernel",
@@ -32,8 +34,6 @@ __all__ = [
     "reference_mm",
 ]
 
-# |acc| <= 128 * 128 * K must fit in int32.
-MAX_IN_FEATURES = (2**31 - 1) // (128 * 128)
 # The u8 trick sums (W + 128) * qx, |.| <= 255 * 128 * K, before the correction.
 _U8_MAX_K = (2**31 - 1) // (255 * 128)
 
@@ -58,11 +58,6 @@ def reference_pack(weight: Tensor) -> Packed:
     """The reference needs no layout change."""
     return (weight,)
 
-
-def reference_mm(qx: Tensor, packed: Packed) -> Tensor:
-    """Exact on any device: integer sums stay below 2**53, so float64 never rounds."""
-    (weight,) = packed
-    return (qx.double() @ weight.double().t()).to(torch.int32)
 
 
 # ---------------------------------------------------------------- cpu variants
@@ -166,15 +161,24 @@ def _pick(single_row: bool, k: int) -> str:
     return "reference"
 
 
-def cpu_pack(weight: Tensor) -> Packed:
-    """The weight itself (s8 reads its column-major view) plus u8x's correction term."""
+class CpuPacked(NamedTuple):
+    """The ``cpu`` backend's layout: the variant for M == 1 and for M > 1, the weight itself
+    (s8 reads its column-major view) and u8x's correction 128 * rowsum(W) (or None)."""
+
+    one: str
+    many: str
+    weight: Tensor
+    comp: Tensor | None
+
+
+def cpu_pack(weight: Tensor) -> CpuPacked:
     k = weight.shape[1]
     one, many = _pick(True, k), _pick(False, k)
     comp = u8x_pack(weight)[1] if "u8x" in (one, many) else None
-    return (one, many, weight, comp)
+    return CpuPacked(one, many, weight, comp)
 
 
-def cpu_mm(qx: Tensor, packed: Packed) -> Tensor:
+def cpu_mm(qx: Tensor, packed: CpuPacked) -> Tensor:
     """Dispatch on M; every variant is exact, so the choice never changes a result."""
     one, many, weight, comp = packed
     name = one if qx.shape[0] == 1 else many
@@ -185,7 +189,7 @@ def cpu_mm(qx: Tensor, packed: Packed) -> Tensor:
     return reference_mm(qx, (weight,))
 
 
-def cpu_fused(packed: Packed) -> tuple | None:
+def cpu_fused(packed: CpuPacked) -> tuple | None:
     """The C++ op of ``quasar.quant.ext`` with the same variant choice as ``cpu_mm``, or
     None (disabled, not buildable, or K == 1 / no exact variant: ``reference``)."""
     one, many, _, comp = packed

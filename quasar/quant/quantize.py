@@ -24,7 +24,8 @@ from quasar.quant.calibrate import (
     token_windows,
 )
 from quasar.quant import fused_step
-from quasar.quant.int8 import ACT_BITS, BACKEND_NAMES, Int8Linear, quantize_weight
+from quasar.quant.int8 import BACKEND_NAMES, Int8Linear
+from quasar.quant.numerics import ACT_BITS, quantize_weight
 from quasar.quant.smooth import bind_groups, input_owners, rotate_model, sample_names, smooth_model
 
 DEFAULT_ALPHA: float | str = "auto"

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from quasar.errors import QuasarError
 from quasar.quant.calibrate import CalibrationStats
-from quasar.quant.int8 import quantize_activation, quantize_weight
+from quasar.quant.numerics import quantize_activation, quantize_weight
 
 
 @dataclass(frozen=True)

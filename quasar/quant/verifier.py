@@ -18,6 +18,7 @@ import torch
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
+from quasar.paths import cache_dir
 from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from quasar.quant.quantize import (
     DEFAULT_ALPHA,
@@ -56,17 +57,15 @@ def cache_key(model_dir: Path, dtype: torch.dtype, options: dict) -> str:
 
 
 def cache_path(model_dir: Path, dtype: torch.dtype, options: dict) -> Path:
-    from quasar.models.gguf import cache_root
-
     name = f"{Path(model_dir).resolve().name}-{_DTYPE_NAMES.get(dtype, str(dtype))}"
-    return cache_root() / "w8a8" / f"{name}-{cache_key(model_dir, dtype, options)}"
+    return cache_dir("w8a8") / f"{name}-{cache_key(model_dir, dtype, options)}"
 
 
 def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
     """(text, sha256) of a user calibration file, or (None, None) for the built-in corpus."""
     if calib is None:
         return None, None
-    from quasar.data import read_text_file
+    from quasar.data.user_files import read_text_file
 
     text = read_text_file(calib)
     return text, hashlib.sha256(text.encode()).hexdigest()

@@ -1,12 +1,12 @@
 """The FastAPI application: OpenAI-compatible endpoints, health, metrics and the playground.
 
-`create_app(llm, ...)` wires an `Engine` (bounded queue + one worker thread) to the HTTP
+`create_app(llm, ...)` wires a `Scheduler` (bounded queue + one worker thread) to the HTTP
 routes. A generation request is validated and tokenized on the event loop side, checked
-against the context, submitted to the engine (429 at once when the queue is full) and
-answered from the engine's events. The first event is awaited before any byte is sent, so
-an error the engine finds (an unavailable verifier, say) still gets a proper status code
+against the context, submitted to the scheduler (429 at once when the queue is full) and
+answered from the scheduler's events. The first event is awaited before any byte is sent, so
+an error the scheduler finds (an unavailable verifier, say) still gets a proper status code
 even for a streamed request. A client that goes away, while waiting or mid-stream, sets
-the job's cancel flag; the engine stops within one verifier step.
+the job's cancel flag; the scheduler stops within one verifier step.
 
 Every response carries a `quasar` object (drafter, verifier, verifier steps, mean
 acceptance length, tokens/s, ...); every streamed chunk carries
@@ -31,16 +31,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quasar.defaults import DEFAULT_ADAPTIVE
+from quasar.defaults import DEFAULT_ADAPTIVE, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
-from quasar.server.engine import Engine, EngineClosed, Job, QueueFull
+from quasar.server.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 from quasar.server.metrics import CONTENT_TYPE, ServerMetrics
 from quasar.server.openai_schema import (ApiError, GenRequest, completion_response, error_body, new_id, now,
                                          parse_chat, parse_completion, parse_json_body, sse, stream_chunk, usage)
-from quasar.spec.drafters import make_drafter
-from quasar.spec.generate import Chunk, DecodeOptions, Result
-from quasar.spec.sampling import SamplingParams
-from quasar.spec.verifiers import parse_verifier
+from quasar.speculative.generate import Chunk, Result
 
 log = logging.getLogger("quasar.server")
 
@@ -85,7 +82,7 @@ class _MetricsMiddleware:
 
 
 class _JobEvents:
-    """The asyncio side of a job: the engine's events, delivered to the event loop."""
+    """The asyncio side of a job: the scheduler's events, delivered to the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -93,7 +90,7 @@ class _JobEvents:
         self.job: Job | None = None
         self._polled = time.monotonic()
 
-    def sink(self, kind: str, payload: Any) -> None:  # called from the engine's thread
+    def sink(self, kind: str, payload: Any) -> None:  # called from the scheduler's thread
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -135,11 +132,12 @@ class _JobStream(StreamingResponse):
 
 
 def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_name: str | None = None,
-               num_draft: int = 5, ngram_min: int = 1, ngram_max: int = 3, adaptive: bool = DEFAULT_ADAPTIVE,
+               num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
+               ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE,
                default_max_tokens: int = 1024, metrics: ServerMetrics | None = None) -> FastAPI:
     """An app serving `llm` (a `quasar.api.LLM`). The drafter/verifier defaults are the LLM's own."""
     metrics = metrics or ServerMetrics()
-    engine = Engine(llm, max_queue=max_queue, metrics=metrics).start()
+    scheduler = Scheduler(llm, max_queue=max_queue, metrics=metrics).start()
     served = model_name or _model_name(llm)
     defaults = dict(drafter=llm.drafter, verifier=llm.verifier, num_draft=num_draft, ngram_min=ngram_min,
                     ngram_max=ngram_max, adaptive=adaptive)
@@ -149,10 +147,10 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
     @asynccontextmanager
     async def lifespan(app):
         yield
-        await run_in_threadpool(engine.stop)
+        await run_in_threadpool(scheduler.stop)
 
     app = FastAPI(title="Quasar", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
-    app.state.engine, app.state.metrics, app.state.llm, app.state.model_name = engine, metrics, llm, served
+    app.state.scheduler, app.state.metrics, app.state.llm, app.state.model_name = scheduler, metrics, llm, served
     app.state.defaults = defaults
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
 
@@ -200,10 +198,10 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
 
     @app.get("/health")
     async def health():
-        ok = engine.alive
-        body = {"status": "ok" if ok else "unavailable", "model": served, "queue_depth": engine.queue_depth,
-                "max_queue": engine.max_queue, "running": engine.current is not None,
-                "completed": engine.completed, "defaults": defaults, "max_context": llm.max_context}
+        ok = scheduler.alive
+        body = {"status": "ok" if ok else "unavailable", "model": served, "queue_depth": scheduler.queue_depth,
+                "max_queue": scheduler.max_queue, "running": scheduler.current is not None,
+                "completed": scheduler.completed, "defaults": defaults, "max_context": llm.max_context}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -257,19 +255,9 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
         opts.update(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     seed=req.seed, stop=req.stop)
         try:
-            parse_verifier(opts["verifier"])
+            llm.check_options(**opts)
         except QuasarError as e:
-            raise ApiError(400, str(e), param="verifier", code="invalid_value") from None
-        try:
-            make_drafter(opts["drafter"], **({"n_min": opts["ngram_min"], "n_max": opts["ngram_max"]}
-                                            if opts["drafter"] == "ngram" else {}))
-        except QuasarError as e:
-            raise ApiError(400, str(e), param="drafter", code="invalid_value") from None
-        try:
-            DecodeOptions(max_new_tokens=max_tokens, stop=req.stop, num_draft=opts["num_draft"],
-                          sampling=SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)).validate()
-        except QuasarError as e:
-            raise ApiError(400, str(e), code="invalid_value") from None
+            raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
         return opts
 
     async def encode(req: GenRequest) -> list[int]:
@@ -287,21 +275,17 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
             raise ApiError(400, "The prompt encodes to no tokens.", param="prompt", code="invalid_value")
         return ids
 
-    def engine_error(exc: Exception) -> ApiError:
+    def scheduler_error(exc: Exception) -> ApiError:
         if isinstance(exc, QuasarError):
             return ApiError(400, str(exc), code="invalid_value")
-        if isinstance(exc, EngineClosed):
+        if isinstance(exc, SchedulerClosed):
             return ApiError(503, str(exc), "server_error", code="shutting_down")
         return ApiError(500, "The server had an error while generating this reply.", "server_error")
 
     def quasar_stats(opts: dict, result: Result, job: Job) -> dict:
-        s = result.stats
         return {"drafter": opts["drafter"], "verifier": opts["verifier"],
                 "num_draft": opts["num_draft"] if opts["drafter"] != "none" else 0,
-                "steps": s.steps, "mean_accepted": round(s.mean_accepted, 4), "drafted": s.drafted,
-                "accepted": s.accepted, "accepted_hist": {str(k): v for k, v in sorted(s.accepted_hist.items())},
-                "tokens_per_s": round(s.tokens_per_s, 3), "prefill_s": round(s.prefill_s, 4),
-                "decode_s": round(s.decode_s, 4), "wall_s": round(s.wall_s, 4), "queue_s": round(job.queue_s, 4)}
+                **result.stats.as_dict(), "queue_s": round(job.queue_s, 4)}
 
     async def generate(request: Request, kind: str):
         arrived = time.perf_counter()
@@ -314,12 +298,12 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
         job = Job(prompt_ids, opts, events.sink, created=arrived)
         events.job = job
         try:
-            engine.submit(job)
+            scheduler.submit(job)
         except QueueFull as e:
             raise ApiError(429, f"The server is busy: {e}. Retry shortly.", "rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
-        except EngineClosed as e:
-            raise engine_error(e) from None
+        except SchedulerClosed as e:
+            raise scheduler_error(e) from None
         try:
             first = await events.next(request)
         except _ClientGone:
@@ -328,7 +312,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
             job.cancel.set()
             raise
         if first[0] == "error":
-            raise engine_error(first[1])
+            raise scheduler_error(first[1])
         if first[0] == "cancelled":
             return Response(status_code=499)
         rid, created, model = new_id(kind), now(), req.model or served
@@ -347,7 +331,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
             job.cancel.set()
             raise
         if event[0] == "error":
-            raise engine_error(event[1])
+            raise scheduler_error(event[1])
         if event[0] == "cancelled":
             return Response(status_code=499)
         result: Result = event[1]
@@ -379,7 +363,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
                     yield sse(stream_chunk(req, rid, created, model, no_choices=True,
                                            use=usage(len(job.prompt_ids), result.stats.new_tokens)))
             elif event[0] == "error":
-                yield sse(engine_error(event[1]).body())
+                yield sse(scheduler_error(event[1]).body())
             yield sse("[DONE]")
         finally:
             if job.outcome is None:

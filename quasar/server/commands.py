@@ -15,7 +15,7 @@ from quasar.errors import QuasarError
 
 
 def register(sub) -> None:
-    from quasar.cli import add_decoding_args, add_model_args
+    from quasar.cli_args import add_decoding_args, add_model_args
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (with a playground)",
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "

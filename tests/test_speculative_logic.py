@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from quasar.errors import QuasarError
-from quasar.spec.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling
-from quasar.spec.drafters import NgramDrafter, NoDrafter, make_drafter
-from quasar.spec.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from quasar.speculative.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling
+from quasar.speculative.drafters import NgramDrafter, NoDrafter, make_drafter
+from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits, sample
 
 
 # ---------------------------------------------------------------- drafters

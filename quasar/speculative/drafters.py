@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from quasar.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from quasar.errors import QuasarError
 
 
@@ -16,6 +17,10 @@ class Drafter(ABC):
     """Proposes up to k next tokens from the token history; never calls the model."""
 
     name: str = "drafter"
+
+    @staticmethod
+    def check_options(**opts: Any) -> None:
+        """Raise QuasarError for options the constructor would refuse (none by default)."""
 
     @abstractmethod
     def reset(self, prompt_ids: list[int]) -> None:
@@ -64,19 +69,9 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, n_min: int = 1, n_max: int = 3, prefer: str = "recent") -> None:
-        if not isinstance(n_min, int) or not isinstance(n_max, int) or n_min < 1:
-            raise QuasarError(
-                f"ngram drafter needs integers 1 <= n_min <= n_max, got {n_min}, {n_max}"
-            )
-        if n_max < n_min:
-            raise QuasarError(
-                f"ngram drafter needs n_min <= n_max, got n_min={n_min}, n_max={n_max}"
-            )
-        if prefer not in _PREFER:
-            raise QuasarError(
-                f"ngram drafter: prefer must be one of {', '.join(_PREFER)}, got {prefer!r}"
-            )
+    def __init__(self, n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX,
+                 prefer: str = "recent") -> None:
+        self.check_options(n_min, n_max, prefer)
         self.n_min = n_min
         self.n_max = n_max
         self.prefer = prefer
@@ -84,6 +79,19 @@ class NgramDrafter(Drafter):
         # _index[n][ngram] = position in history of the token that followed that ngram
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self.reset([])
+
+    @staticmethod
+    def check_options(n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX, prefer: str = "recent") -> None:
+        """Raise QuasarError for options the constructor would refuse."""
+        if isinstance(n_min, bool) or isinstance(n_max, bool) or not isinstance(n_min, int) \
+                or not isinstance(n_max, int) or n_min < 1:
+            raise QuasarError(f"ngram drafter needs integers 1 <= n_min <= n_max, got {n_min}, {n_max}",
+                              param="ngram_min")
+        if n_max < n_min:
+            raise QuasarError(f"ngram drafter needs n_min <= n_max, got n_min={n_min}, n_max={n_max}",
+                              param="ngram_max")
+        if prefer not in _PREFER:
+            raise QuasarError(f"ngram drafter: prefer must be one of {', '.join(_PREFER)}, got {prefer!r}")
 
     def reset(self, prompt_ids: list[int]) -> None:
         self._history = []
@@ -137,13 +145,19 @@ class NgramDrafter(Drafter):
 _DRAFTERS: dict[str, type[Drafter]] = {"none": NoDrafter, "ngram": NgramDrafter}
 
 
-def make_drafter(name: str, **opts: Any) -> Drafter:
-    """Build a drafter by name, turning bad names and options into a QuasarError."""
+def drafter_class(name: str) -> type[Drafter]:
+    """The drafter class called ``name``; a QuasarError lists the known ones."""
     cls = _DRAFTERS.get(name)
     if cls is None:
         known = ", ".join(sorted(_DRAFTERS))
-        raise QuasarError(f"unknown drafter {name!r}; known drafters: {known}")
+        raise QuasarError(f"unknown drafter {name!r}; known drafters: {known}", param="drafter")
+    return cls
+
+
+def make_drafter(name: str, **opts: Any) -> Drafter:
+    """Build a drafter by name, turning bad names and options into a QuasarError."""
+    cls = drafter_class(name)
     try:
         return cls(**opts)
     except TypeError as exc:
-        raise QuasarError(f"bad options for drafter {name!r}: {exc}") from exc
+        raise QuasarError(f"bad options for drafter {name!r}: {exc}", param="drafter") from exc

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quasar.defaults import DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.tokenizer import StreamDecoder, Tokenizer
-from quasar.spec.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling
-from quasar.spec.drafters import Drafter
-from quasar.spec.sampling import SamplingParams, make_generator, probs_from_logits
+from quasar.speculative.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling
+from quasar.speculative.drafters import Drafter
+from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits
 
 
 @dataclass
@@ -27,16 +28,16 @@ class DecodeOptions:
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
-    num_draft: int = 5
+    num_draft: int = DEFAULT_NUM_DRAFT
     adaptive: bool = False  # choose k per step from recent acceptance
 
     def validate(self) -> "DecodeOptions":
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise QuasarError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+            raise QuasarError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", param="max_new_tokens")
         if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or not 0 <= self.num_draft <= 64:
-            raise QuasarError(f"num_draft must be an integer in [0, 64], got {self.num_draft!r}")
+            raise QuasarError(f"num_draft must be an integer in [0, 64], got {self.num_draft!r}", param="num_draft")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise QuasarError("stop strings must be non-empty strings")
+            raise QuasarError("stop strings must be non-empty strings", param="stop")
         self.sampling.validate()
         return self
 
@@ -44,8 +45,9 @@ class DecodeOptions:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
-    new_tokens: int = 0
+    new_tokens: int = 0  # output tokens (EOS and anything past a stop excluded)
     steps: int = 0  # verifier forwards after prefill
+    emitted: int = 0  # tokens the verifier steps emitted, EOS and tokens past a stop included
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     prefill_s: float = 0.0
@@ -55,8 +57,9 @@ class Stats:
 
     @property
     def mean_accepted(self) -> float:
-        """Emitted tokens per verifier step (1.0 for autoregressive decoding)."""
-        return self.new_tokens / self.steps if self.steps else 0.0
+        """Emitted tokens per verifier step (L): exactly 1.0 for autoregressive decoding, whose
+        every step emits one token (the last may be an EOS that is not output)."""
+        return self.emitted / self.steps if self.steps else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -196,6 +199,7 @@ def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], draf
         n_acc = len(emitted) - 1
         cache.length = start + 1 + n_acc  # roll back the rejected drafts
         stats.steps += 1
+        stats.emitted += len(emitted)
         stats.drafted += len(draft)
         stats.accepted += n_acc
         if adaptive:

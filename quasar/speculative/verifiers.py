@@ -28,9 +28,10 @@ def parse_verifier(name: str) -> tuple[str, float | None]:
         except ValueError:
             frac = -1.0
         if not 0.0 < frac <= 1.0:
-            raise QuasarError(f"pruned verifier needs a fraction in (0, 1], e.g. pruned:0.5; got {name!r}")
+            raise QuasarError(f"pruned verifier needs a fraction in (0, 1], e.g. pruned:0.5; got {name!r}",
+                              param="verifier")
         return "pruned", frac
-    raise QuasarError(f"unknown verifier {name!r}; choose one of {', '.join(VERIFIERS)}")
+    raise QuasarError(f"unknown verifier {name!r}; choose one of {', '.join(VERIFIERS)}", param="verifier")
 
 
 def kept_layers(n_layers: int, fraction: float) -> list[int]:

@@ -13,7 +13,7 @@ import math
 import torch
 
 from quasar.errors import QuasarError
-from quasar.spec.sampling import sample
+from quasar.speculative.sampling import sample
 
 
 def _check_rows(draft: list[int], rows: torch.Tensor) -> None:

@@ -28,14 +28,14 @@ class SamplingParams:
         """Raise QuasarError for values a user could have mistyped; returns self to chain."""
         t, p, k = self.temperature, self.top_p, self.top_k
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise QuasarError(f"temperature must be a finite number >= 0, got {t!r}")
+            raise QuasarError(f"temperature must be a finite number >= 0, got {t!r}", param="temperature")
         if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise QuasarError(f"top_p must be in (0, 1], got {p!r}")
+            raise QuasarError(f"top_p must be in (0, 1], got {p!r}", param="top_p")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise QuasarError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+            raise QuasarError(f"top_k must be an integer >= 0 (0 = off), got {k!r}", param="top_k")
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise QuasarError(f"seed must be an integer or None, got {seed!r}")
+            raise QuasarError(f"seed must be an integer or None, got {seed!r}", param="seed")
         return self
 
     @property

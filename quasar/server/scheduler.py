@@ -1,4 +1,4 @@
-"""The engine: a bounded queue in front of one worker thread that owns the LLM.
+"""The scheduler: a bounded queue in front of one worker thread that owns the LLM.
 
 An `LLM` decodes one request at a time, so the server never runs two generations at once:
 requests wait in a FIFO queue of at most `max_queue` entries (beyond the one being
@@ -25,7 +25,7 @@ from typing import Any
 
 from quasar.errors import QuasarError
 from quasar.server.metrics import ServerMetrics
-from quasar.spec.generate import Chunk, Result
+from quasar.speculative.generate import Chunk, Result
 
 log = logging.getLogger("quasar.server")
 
@@ -36,7 +36,7 @@ class QueueFull(Exception):
     """The engine's queue holds `max_queue` waiting requests already."""
 
 
-class EngineClosed(Exception):
+class SchedulerClosed(Exception):
     """The engine is shutting down and takes no more requests."""
 
 
@@ -60,7 +60,7 @@ class Job:
         return (self.started or time.perf_counter()) - self.created
 
 
-class Engine:
+class Scheduler:
     def __init__(self, llm, max_queue: int = 32, metrics: ServerMetrics | None = None):
         if max_queue < 1:
             raise QuasarError(f"max_queue must be at least 1, got {max_queue}")
@@ -72,10 +72,10 @@ class Engine:
         self._closed = False
         self.current: Job | None = None
         self.completed = 0
-        self._thread = threading.Thread(target=self._loop, name="quasar-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="quasar-scheduler", daemon=True)
 
     # ------------------------------------------------------------------ control
-    def start(self) -> "Engine":
+    def start(self) -> "Scheduler":
         if not self._thread.is_alive():
             self._thread.start()
         return self
@@ -90,7 +90,7 @@ class Engine:
             self._cond.notify_all()
         self.metrics.queue_depth.set(0)
         for job in pending:
-            self._emit(job, "error", EngineClosed("the server is shutting down"))
+            self._emit(job, "error", SchedulerClosed("the server is shutting down"))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -116,7 +116,7 @@ class Engine:
     def submit(self, job: Job) -> Job:
         with self._cond:
             if self._closed:
-                raise EngineClosed("the server is shutting down")
+                raise SchedulerClosed("the server is shutting down")
             if len(self._pending) >= self.max_queue:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")

@@ -1,0 +1,49 @@
+"""argparse pieces shared by the `quasar` subcommands (only argparse at import time).
+
+`quasar.cli` builds the parser from them and each area's `commands` module; keeping them
+here means no `commands` module imports the CLI that imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_DRAFTER, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
+                             DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
+
+
+def positive_int(value: str) -> int:
+    """argparse type for counts that must be at least 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a model directory")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="float dtype of the model")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """k and the n-gram lengths (the paper's k = 5, n in [1, 3] by default)."""
+    p.add_argument("--num-draft", type=int, default=DEFAULT_NUM_DRAFT,
+                   help=f"draft tokens per step (k, default {DEFAULT_NUM_DRAFT})")
+    p.add_argument("--ngram-min", type=int, default=DEFAULT_NGRAM_MIN,
+                   help=f"shortest n-gram to match (default {DEFAULT_NGRAM_MIN})")
+    p.add_argument("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX,
+                   help=f"longest n-gram to match (default {DEFAULT_NGRAM_MAX})")
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """Drafter, verifier and draft options of generate and serve."""
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram")
+    p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | pruned:F")
+    add_draft_args(p)
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
+                   help="choose the draft length per step (up to k + 3) from recent acceptance")

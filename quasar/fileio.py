@@ -1,0 +1,59 @@
+"""Writing files and folders so that a reader never sees them half-written.
+
+A file is written to a temporary sibling and renamed over the target; a folder is filled
+as a temporary sibling and renamed into place. A crash or an error leaves the target as it
+was (absent, or the previous version) and removes the temporary.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from quasar.errors import QuasarError
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` via a temporary file in the same folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_dir(out: str | Path, fill: Callable[[Path], None], exist_ok: bool = False) -> Path:
+    """Run ``fill(tmp)`` on a temporary sibling folder of ``out``, then rename it to ``out``.
+
+    With ``exist_ok`` an ``out`` that appears meanwhile (another process built the same
+    cache entry) is kept and the temporary dropped; without it, an existing ``out`` is an
+    error before and after filling.
+    """
+    out = Path(out)
+    if out.exists() and not exist_ok:
+        raise QuasarError(f"{out} already exists; choose a new output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        fill(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not out.exists():
+                raise
+            if not exist_ok:
+                raise QuasarError(f"{out} already exists; choose a new output directory") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
