@@ -1,4 +1,4 @@
-"""The benchmark protocol (DESIGN.md, "Benchmark protocol").
+"""The benchmark protocol (ARCHITECTURE.md, "Benchmark protocol").
 
 One process: load the model once, fix torch's threads (recorded), measure memory read
 bandwidth, warm every engine up (this also builds verifiers, e.g. quantizes w8a8), then for

@@ -21,7 +21,7 @@ from quasar.quant.int8 import Int8Linear
 from quasar.quant.numerics import quantize_activation, scale_output
 from quasar.quant.kernels import CPU_VARIANTS, exact_cpu_variants
 
-# (name, out_features, in_features): SmolLM2-135M layers, plus DESIGN.md's reference layer.
+# (name, out_features, in_features): SmolLM2-135M layers, plus a Qwen2.5-1.5B MLP layer.
 SHAPES = [
     ("k/v 192x576", 192, 576),
     ("q/o 576x576", 576, 576),

@@ -1,6 +1,6 @@
 """W8A8 checkpoints: our self-contained directory and the compressed-tensors export.
 
-Both use the compressed-tensors "int-quantized" layout (DESIGN.md, "Interop"): HF module
+Both use the compressed-tensors "int-quantized" layout (ARCHITECTURE.md, "Interop"): HF module
 names, ``*.weight`` int8 [out, in], ``*.weight_scale`` float32 [out, 1], smoothing folded
 into the float norm weights, and ``quantization_config`` in config.json. Ours may keep
 ``lm_head`` in int8 (then it is untied from the embeddings) and records how it was made

@@ -18,7 +18,7 @@ killed builder releases the lock with its process and leaves no partial library 
 
 Small M: on a CPU with AVX512-VNNI the op computes M <= 16 rows (the speculative verifier's
 k + 1 tokens) with a hand-written kernel that reads the weight once, instead of oneDNN's
-``_int_mm`` (~4x its M = 1 cost there); the int32s and hence the outputs are the same bits.
+``_int_mm`` (several times its M = 1 cost there); the int32s and hence the outputs are the same bits.
 :func:`small_m_max` reads or sets the threshold (0: always oneDNN), for benchmarks and tests.
 
 Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a

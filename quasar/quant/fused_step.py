@@ -1,8 +1,8 @@
 """Verifier steps of a W8A8 model in one C++ call for all decoder layers.
 
-At 135M parameters a 1..9-token step spent ~23 ms where its int8 weights take ~5 ms to
-read: ~50 small ATen ops per layer (norms, RoPE, one attention call per query for row
-invariance, residuals) cost more than the GEMMs. ``csrc/decoder_layer.cpp`` runs each
+At small model sizes a verifier step of a few tokens spends more time in ~50 small ATen
+ops per layer (norms, RoPE, one attention call per query for row invariance, residuals)
+than in reading its int8 weights. ``csrc/decoder_layer.cpp`` runs each
 layer's glue as plain loops between the same VNNI GEMMs Int8Linear uses;
 :class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or
 forked) and ``Transformer.forward`` calls it for steps of at most ``ROW_INVARIANT_MAX_T``

@@ -17,7 +17,7 @@ scale_output, so backends, batch sizes and the fallback all agree. Whether it is
 is decided when the layer packs its weights. Inputs that require grad (with grad
 enabled) take the PyTorch path.
 
-Numerics (see DESIGN.md "Numerics"): the int32 product is exact and the quantizer and
+Numerics (see ARCHITECTURE.md "Numerics" and ``quasar.quant.numerics``): the int32 product is exact and the quantizer and
 epilogue are elementwise or per-row, so a token's output is bitwise the same whether it
 is computed alone or with other tokens, and the same on every backend of one device.
 

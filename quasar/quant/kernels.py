@@ -143,11 +143,10 @@ def exact_cpu_variants() -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- cpu
-# Policy measured by bench_kernels on the AVX512-VNNI dev box (2 threads), whole layer
-# incl. quantization and epilogue: M = 1 -> u8x (oneDNN's u8 x s8 GEMV: 2-3x faster than
-# s8 x s8 for layers with >= 1536 outputs, on par for the small ones); M > 1 -> s8 (u8x
-# loses the GEMV and pays the shift; u8w's transposed output slows the epilogue more
-# than its GEMM gains). Neither needs a copy of the weight.
+# Policy, from `python -m quasar.quant.bench_kernels` (whole layer incl. quantization and
+# epilogue): M = 1 -> u8x (oneDNN's u8 x s8 GEMV beats s8 x s8 on wide layers, ties on small
+# ones); M > 1 -> s8 (u8x loses the GEMV and pays the shift; u8w's transposed output slows
+# the epilogue more than its GEMM gains). Neither needs a copy of the weight.
 _PREFERENCE = {True: ("u8x", "s8"), False: ("s8", "u8x")}  # keyed by M == 1
 
 

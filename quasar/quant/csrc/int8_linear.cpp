@@ -9,7 +9,7 @@
 // Build with -ffp-contract=off: a fused multiply-add in the epilogue would round differently.
 // Rows are processed independently, so a token's output never depends on the batch.
 //
-// Small M (the verifier's k + 1 tokens, M <= 16): oneDNN's _int_mm costs ~4x its M = 1
+// Small M (the verifier's k + 1 tokens, M <= 16): oneDNN's _int_mm costs several times its M = 1
 // GEMV there, although decoding is memory-bound and the weight need only be read once.
 // small_m_gemm does the GEMM by hand with AVX512-VNNI (vpdpbusd: u8 x s8, four pairs
 // summed into each int32 lane): each 64-byte chunk of a weight row [N, K] is loaded once
@@ -146,7 +146,7 @@ bool vnni_supported() {
 #ifdef QUASAR_VNNI_KERNEL
 // How far ahead of the rows being read to prefetch weights, in bytes: rows are short
 // (K bytes), so the hardware prefetcher never ramps up; ~8 KiB ahead covers DRAM latency
-// at this kernel's rate (measured: 4-8 KiB best, 6-token steps 10% faster than 2 KiB).
+// at this kernel's rate (4-8 KiB ahead measured best on the development machine).
 constexpr int64_t kPrefetchBytes = 8192;
 // The 16 int32 lanes of each of a0..a3 summed: [sum a0, sum a1, sum a2, sum a3].
 QUASAR_VNNI inline __m128i reduce4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
