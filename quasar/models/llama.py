@@ -4,14 +4,19 @@ Module names follow Hugging Face (`model.layers.N.self_attn.q_proj`, ...) so saf
 load as they are and exports keep the names other tools expect. The W8A8 verifier is this
 same tree with its `nn.Linear`s swapped for int8 ones.
 
-The KV cache is static and pre-allocated. `cache.length` is how many positions are valid;
-a forward over T tokens writes positions [length, length+T) and advances it, so rolling
-back rejected draft tokens is just setting `length` back.
+The KV cache is static and pre-allocated, with one slot per sequence. `cache.lengths[s]`
+is how many positions of slot s are committed. Two ways to run the model:
+- `model(input_ids, slot=s)`: a chain at the slot's length that advances it (prefill);
+- `model.step(rows)`: a verifier step over `Rows` (chain drafts, token trees, several
+  slots at once) that writes the rows' K/V past the committed lengths and leaves them;
+  `cache.commit(slot, kept)` then keeps the accepted path. Rejecting drafts is just not
+  committing them.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,27 +24,83 @@ from torch import Tensor, nn
 
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
+from quasar.models.rows import Rows
 
 # Steps of up to this many tokens (decode and verifier steps, not long prefills) compute
 # attention one query at a time; see Attention.forward.
 ROW_INVARIANT_MAX_T = 16
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """A long chain in one slot, attended with a causal mask in one call (prefill only:
+    faster, but not row-invariant)."""
+
+    slot: int
+    start: int
+    mask: Tensor  # [T, start + T] bool: query i sees keys 0..start + i
+
+
 class KVCache(nn.Module):
-    def __init__(self, n_layers: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device=None):
+    """k, v [layers, slots, kv heads, max_seq_len, head_dim]; `lengths[s]` positions of slot s
+    are committed. Positions past a slot's length are scratch (a step's rows, rejected drafts)."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device=None,
+                 n_slots: int = 1):
         super().__init__()
-        shape = (n_layers, 1, n_kv_heads, max_seq_len, head_dim)
+        shape = (n_layers, n_slots, n_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.max_seq_len = max_seq_len
-        self.length = 0
+        self.n_slots = n_slots
+        self.lengths = [0] * n_slots
 
-    def update(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [1, kvh, T, d] at [start, start+T); return all valid keys/values."""
+    @property
+    def length(self) -> int:
+        """Committed length of slot 0 (batch-1 code)."""
+        return self.lengths[0]
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.lengths[0] = value
+
+    def update(self, layer: int, slot: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [1, kvh, T, d] at [start, start+T) of `slot`; return its keys/values up to there."""
         end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer, slot:slot + 1, :, start:end] = k
+        self.v[layer, slot:slot + 1, :, start:end] = v
+        return self.k[layer, slot:slot + 1, :, :end], self.v[layer, slot:slot + 1, :, :end]
+
+    def write_rows(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
+        """Store each row's k, v [R, kvh, d] at its (slot, cache_index)."""
+        slots = torch.tensor(rows.slots, device=k.device)
+        index = torch.tensor(rows.cache_index, device=k.device)
+        self.k[layer, slots, :, index] = k
+        self.v[layer, slots, :, index] = v
+
+    def row_keys(self, layer: int, rows: Rows, r: int) -> tuple[Tensor, Tensor]:
+        """Row r's logical keys and values [1, kvh, n, d]: its slot's committed cache, then its path."""
+        slot, start, path = rows.slots[r], rows.starts[rows.slots[r]], rows.paths[r]
+        k, v = self.k[layer, slot:slot + 1], self.v[layer, slot:slot + 1]
+        end = start + len(path)
+        if path[-1] == end - 1:  # a chain: the path directly follows the committed cache
+            return k[:, :, :end], v[:, :, :end]
+        index = torch.tensor(path, device=k.device)
+        return (torch.cat([k[:, :, :start], k[:, :, index]], dim=2),
+                torch.cat([v[:, :, :start], v[:, :, index]], dim=2))
+
+    def commit(self, slot: int, kept: list[int], rows: Rows) -> None:
+        """Keep the rows `kept` of the last step (root first, then the accepted path) as the
+        slot's next positions: move their K/V to consecutive positions, advance the length."""
+        start = rows.starts[slot]
+        for i, r in enumerate(kept):
+            if rows.slots[r] != slot or rows.depth[r] != i:
+                raise ValueError(f"row {r} is not at depth {i} of slot {slot}'s accepted path")
+            src, dst = rows.cache_index[r], start + i
+            if src != dst:  # src >= dst and later sources lie further on: moving in order is safe
+                self.k[:, slot, :, dst] = self.k[:, slot, :, src]
+                self.v[:, slot, :, dst] = self.v[:, slot, :, src]
+        self.lengths[slot] = start + len(kept)
 
 
 class RMSNorm(nn.Module):
@@ -96,8 +157,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, start: int,
-                mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, at: Rows | Prefill) -> Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
@@ -107,17 +167,18 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k, v = cache.update(layer, start, k, v)
         gqa = self.n_heads != self.n_kv_heads
-        if t <= ROW_INVARIANT_MAX_T:
-            # A verifier step: give each query exactly the one-token decode computation, so
-            # a token's result never depends on how many drafts are verified with it (W8A8
-            # would turn float-rounding differences into int8 rounding flips).
-            end = start + 1
-            y = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :end + i], v[:, :, :end + i],
-                                                          enable_gqa=gqa) for i in range(t)], dim=2)
+        if isinstance(at, Rows):
+            # A verifier step: each row attends alone to its logical keys, exactly the
+            # one-token decode computation of its path, so a token's result never depends on
+            # the other rows of the step (W8A8 would turn float-rounding differences into int8
+            # rounding flips).
+            cache.write_rows(layer, at, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            y = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], *cache.row_keys(layer, at, r),
+                                                          enable_gqa=gqa) for r in range(t)], dim=2)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            k, v = cache.update(layer, at.slot, at.start, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=at.mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -141,8 +202,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, start, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, at: Rows | Prefill) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, at)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -164,57 +225,85 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.cache: KVCache | None = None
-        # Optional fast path for steps of <= ROW_INVARIANT_MAX_T tokens: a callable
-        # (x, cos, sin, cache, start) -> hidden states after all layers, or None to run the
-        # modules. Installed by quasar.quant.fused_step on W8A8 models.
+        # Optional fast path for verifier steps: a callable (x, cos, sin, cache, rows) -> the
+        # hidden states after all layers, or None to run the modules. Installed by
+        # quasar.quant.fused_step on W8A8 models.
         self.step_kernel = None
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
 
-    def setup_cache(self, max_seq_len: int | None = None) -> KVCache:
-        """(Re)allocate the static KV cache; its length starts at 0."""
+    def setup_cache(self, max_seq_len: int | None = None, n_slots: int = 1) -> KVCache:
+        """(Re)allocate the static KV cache with `n_slots` sequences; every length starts at 0."""
         cfg = self.config
         max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if self.cache is None or self.cache.max_seq_len != max_seq_len:
+        if self.cache is None or self.cache.max_seq_len != max_seq_len or self.cache.n_slots != n_slots:
             dtype = self.model.norm.weight.dtype
             self.cache = KVCache(len(self.model.layers), cfg.num_kv_heads, max_seq_len, cfg.head_dim,
-                                 dtype, self.model.norm.weight.device)
-        self.cache.length = 0
+                                 dtype, self.model.norm.weight.device, n_slots)
+        self.cache.lengths = [0] * n_slots
         return self.cache
 
-    @torch.inference_mode()
-    def forward(self, input_ids: Tensor, logits: str = "all") -> Tensor | None:
-        """Run `input_ids` [1, T] at positions [cache.length, cache.length + T).
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = torch.outer(positions.to(torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
-        Covers prefill, one-token decode and a multi-token verifier step alike. Returns
-        float32 logits [1, T, vocab] (`logits="all"`), [1, 1, vocab] for the last position
-        (`"last"`), or None (`"none"`: a prefill that only fills the cache skips lm_head).
+    def _logits(self, x: Tensor, which: str) -> Tensor | None:
+        if which == "none":
+            return None
+        if which == "last":
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x)).float()
+
+    def _run_rows(self, rows: Rows) -> Tensor:
+        """Hidden states [1, R, H] after all layers for a step's rows (K/V written, lengths kept)."""
+        cache = self.cache or self.setup_cache()
+        rows.check_fits(cache.max_seq_len)
+        dev = self.model.norm.weight.device
+        x = self.model.embed_tokens(torch.tensor([rows.tokens], device=dev))
+        cos, sin = self._rope(torch.tensor(rows.positions, device=dev), x.dtype)
+        y = self.step_kernel(x, cos, sin, cache, rows) if self.step_kernel is not None else None
+        if y is not None:
+            return y
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, rows)
+        return x
+
+    @torch.inference_mode()
+    def step(self, rows: Rows, logits: str = "all") -> Tensor | None:
+        """A verifier step over `rows` (see quasar.models.rows): float32 logits [R, vocab].
+
+        Each row's K/V are written past its slot's committed length; the lengths do not
+        change until `cache.commit` keeps the accepted rows.
+        """
+        out = self._logits(self._run_rows(rows), logits)
+        return None if out is None else out[0]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, logits: str = "all", slot: int = 0) -> Tensor | None:
+        """Run `input_ids` [1, T] as a chain at the end of `slot` and commit it.
+
+        Covers prefill and one-token decoding alike. Returns float32 logits [1, T, vocab]
+        (`logits="all"`), [1, 1, vocab] for the last position (`"last"`), or None (`"none"`:
+        a prefill that only fills the cache skips lm_head). Chains of up to
+        ROW_INVARIANT_MAX_T tokens are run as a step (row-invariant); longer ones as one
+        causal prefill.
         """
         cache = self.cache or self.setup_cache()
         t = input_ids.shape[1]
-        start = cache.length
+        start = cache.lengths[slot]
         if start + t > cache.max_seq_len:
             raise QuasarError(f"context is full: {start + t} tokens exceed the {cache.max_seq_len}-token context")
-        x = self.model.embed_tokens(input_ids)
-        pos = torch.arange(start, start + t, device=x.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        mask = None
-        if t > ROW_INVARIANT_MAX_T:  # query i sees keys 0..start+i
-            key_pos = torch.arange(start + t, device=x.device)
-            mask = key_pos[None, :] <= (start + torch.arange(t, device=x.device))[:, None]
-        step = self.step_kernel if t <= ROW_INVARIANT_MAX_T else None
-        y = step(x, cos, sin, cache, start) if step is not None else None
-        if y is not None:
-            x = y
+        if t <= ROW_INVARIANT_MAX_T:
+            x = self._run_rows(Rows.chain(input_ids[0].tolist(), slot, cache.lengths))
         else:
+            x = self.model.embed_tokens(input_ids)
+            positions = torch.arange(start, start + t, device=x.device)
+            cos, sin = self._rope(positions, x.dtype)
+            key_pos = torch.arange(start + t, device=x.device)  # query i sees keys 0..start + i
+            at = Prefill(slot, start, key_pos[None, :] <= positions[:, None])
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, cache, i, start, mask)
-        cache.length = start + t
-        if logits == "none":
-            return None
-        if logits == "last":
-            x = x[:, -1:]
-        return self.lm_head(self.model.norm(x)).float()
+                x = layer(x, cos, sin, cache, i, at)
+        cache.lengths[slot] = start + t
+        return self._logits(x, logits)

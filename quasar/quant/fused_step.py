@@ -5,8 +5,9 @@ ops per layer (norms, RoPE, one attention call per query for row invariance, res
 than in reading its int8 weights. ``csrc/decoder_layer.cpp`` runs each
 layer's glue as plain loops between the same VNNI GEMMs Int8Linear uses;
 :class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or
-forked) and ``Transformer.forward`` calls it for steps of at most ``ROW_INVARIANT_MAX_T``
-tokens.
+forked) and the model calls it for every verifier step (``Transformer.step``, and chains of
+up to ``ROW_INVARIANT_MAX_T`` tokens); it takes a chain of up to ``MAX_ROWS`` rows in a
+one-slot cache and returns None for other steps (trees, batches), which run the modules.
 
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
 whether it is verified alone or with drafts (greedy speculative == greedy autoregressive
@@ -39,10 +40,11 @@ _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_p
 
 
 _HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the attention kernel's specialisations
+MAX_ROWS = 16  # rows the op takes in one call
 
 
 class FusedW8A8Step:
-    """``step(x, cos, sin, cache, start)`` -> the hidden states after all decoder layers,
+    """``step(x, cos, sin, cache, rows)`` -> the hidden states after all decoder layers,
     or None when the fused layer does not apply (then run the modules)."""
 
     def __init__(self, model: nn.Module):
@@ -51,7 +53,10 @@ class FusedW8A8Step:
         self._plan: tuple[list, ...] | None = None  # flat per-layer argument lists of the op
         self._watch: list[tuple[dict, str, Any]] = []  # (owner dict, key, object) to recheck
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int) -> Tensor | None:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, rows) -> Tensor | None:
+        # The op runs one chain of up to 16 rows at the end of a one-slot cache.
+        if not (rows.is_chain and cache.n_slots == 1 and len(rows) <= MAX_ROWS):
+            return None
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1 or cache.k.dtype != torch.float32:
             return None
         if self._plan is None or not all(d.get(k) is v for d, k, v in self._watch):
@@ -59,6 +64,7 @@ class FusedW8A8Step:
                 return None
         cfg = self.model.config
         norms, weights, scales, biases, comps, act_bits = self._plan
+        start = rows.starts[rows.slots[0]]
         return self._op(x.contiguous(), cos, sin, cache.k, cache.v, start, norms, cfg.rms_norm_eps, weights,
                         scales, biases, comps, act_bits, cfg.num_heads, cfg.num_kv_heads)
 

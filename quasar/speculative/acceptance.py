@@ -13,6 +13,7 @@ import math
 import torch
 
 from quasar.errors import QuasarError
+from quasar.speculative.drafters import DraftTree
 from quasar.speculative.sampling import sample
 
 
@@ -31,15 +32,7 @@ def accept_greedy(draft: list[int], logits: torch.Tensor) -> list[int]:
     so the output equals autoregressive greedy decoding with this verifier.
     """
     _check_rows(draft, logits)
-    best = logits.argmax(dim=-1).tolist()  # one device sync for the whole step
-    out: list[int] = []
-    for d, b in zip(draft, best):
-        if d != b:
-            out.append(b)
-            return out
-        out.append(d)
-    out.append(best[len(draft)])
-    return out
+    return accept_greedy_tree(DraftTree.chain(draft), logits)[1]
 
 
 def accept_sampling(draft: list[int], probs: torch.Tensor, generator: torch.Generator) -> list[int]:
@@ -69,6 +62,63 @@ def accept_sampling(draft: list[int], probs: torch.Tensor, generator: torch.Gene
             return out
     out.append(sample(probs[k], generator))
     return out
+
+
+def accept_greedy_tree(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Greedy acceptance over a draft tree: from the pending token (row 0), follow the child
+    whose token is the row's argmax while there is one. Row i + 1 judges node i's children.
+
+    Returns (accepted nodes, root first down the path; emitted tokens: theirs plus the
+    argmax of the last accepted row). Equal to autoregressive greedy decoding of the
+    verifier, and to `accept_greedy` on a chain.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
+        raise ValueError(f"expected {len(tree) + 1} verifier rows for {len(tree)} draft nodes, "
+                         f"got shape {tuple(logits.shape)}")
+    best = logits.argmax(dim=-1).tolist()  # one device sync for the whole step
+    path, node = [], -1
+    while True:
+        want = best[node + 1]
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return path, [tree.tokens[i] for i in path] + [want]
+        path.append(nxt)
+        node = nxt
+
+
+def accept_sampling_tree(tree: DraftTree, probs: torch.Tensor,
+                         generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """Multi-candidate speculative sampling over a tree of deterministic drafts: exact.
+
+    At a node whose verifier distribution is p (row node + 1, processed like `accept_sampling`),
+    its children c1..cm (distinct tokens) are tried in order: accept c_i with probability
+    p(c_i) / sum(p) and descend; on rejection set p(c_i) = 0 and try the next. If all are
+    rejected, the emitted token is drawn from what is left of p. Each step of this keeps the
+    emitted token's distribution exactly p (SpecInfer's recursive rejection with
+    deterministic drafts). Returns (accepted nodes, emitted tokens) like `accept_greedy_tree`.
+    """
+    if probs.dim() != 2 or probs.shape[0] != len(tree) + 1:
+        raise ValueError(f"expected {len(tree) + 1} verifier rows for {len(tree)} draft nodes, "
+                         f"got shape {tuple(probs.shape)}")
+    path, node = [], -1
+    while True:
+        p = probs[node + 1].double().clone()
+        accepted = None
+        for c in tree.children(node):
+            token = tree.tokens[c]
+            total = p.sum()
+            u = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
+            if bool(u.to(p.device) * total < p[token]):
+                accepted = c
+                break
+            p[token] = 0
+            if not bool(p.sum() > 0):  # the candidate held all the mass; only rounding rejected it
+                accepted = c
+                break
+        if accepted is None:
+            return path, [tree.tokens[i] for i in path] + [sample(p, generator)]
+        path.append(accepted)
+        node = accepted
 
 
 def _accept_draws(draft: list[int], rows: torch.Tensor, generator: torch.Generator) -> list[bool]:

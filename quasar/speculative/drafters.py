@@ -7,16 +7,53 @@ needs a rollback: the generate loop calls `extend` with what it emits, nothing e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from quasar.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from quasar.errors import QuasarError
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens below the pending token: node i is `tokens[i]`, a child of node
+    `parents[i]` (-1: of the pending token). Parents come before their children, so any
+    prefix of the nodes is a tree too. A chain d1..dk has parents -1, 0, 1, ..., k - 2."""
+
+    tokens: list[int]
+    parents: list[int]
+    EMPTY: ClassVar["DraftTree"]
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def limit(self, n: int) -> "DraftTree":
+        """The first n nodes (still a tree)."""
+        return self if len(self) <= n else DraftTree(self.tokens[:n], self.parents[:n])
+
+    def children(self, node: int) -> list[int]:
+        """Nodes directly below `node` (-1: the pending token), in order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+
+DraftTree.EMPTY = DraftTree([], [])
 
 
 class Drafter(ABC):
     """Proposes up to k next tokens from the token history; never calls the model."""
 
     name: str = "drafter"
+    # >0: the decode loop calls `observe` after every step with that many of the
+    # verifier's top token ids per row (what token recycling learns from).
+    observe_top_k: int = 0
 
     @staticmethod
     def check_options(**opts: Any) -> None:
@@ -33,6 +70,14 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, k: int) -> list[int]:
         """Return 0..k guessed next tokens; fewer (or none) when there is no good guess."""
+
+    def propose_tree(self, budget: int) -> DraftTree:
+        """At most `budget` draft nodes; a chain drafter proposes a chain."""
+        return DraftTree.chain(self.propose(budget)[:budget])
+
+    def observe(self, tokens: list[int], top_ids: list[list[int]]) -> None:
+        """The last step's row tokens and, per row, the verifier's `observe_top_k` most likely
+        next tokens (only called when `observe_top_k` > 0)."""
 
 
 class NoDrafter(Drafter):

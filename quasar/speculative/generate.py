@@ -1,8 +1,9 @@
-"""The decoding loop: draft, verify in one forward, accept, roll the KV cache back.
+"""The decoding loop: draft, verify in one forward, accept, keep the accepted rows.
 
-Autoregressive decoding is the same loop with a drafter that never proposes: each step
-feeds [last token] instead of [last token, d1..dk]. The token fed at a step is always the
-last emitted token, which is not yet in the cache; everything before it is.
+A `Sequence` is one request's state (drafter, sampling, output, stats); `decode` drives one
+sequence through the model. Each step feeds the rows [pending token, draft tree], where the
+pending token is the last emitted one, not yet in the cache; everything before it is.
+Autoregressive decoding is the same loop with a drafter that never proposes.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 from quasar.defaults import DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
+from quasar.models.rows import Rows
 from quasar.models.tokenizer import StreamDecoder, Tokenizer
-from quasar.speculative.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling
-from quasar.speculative.drafters import Drafter
+from quasar.speculative.acceptance import (AdaptiveDraftLength, accept_greedy_tree, accept_sampling,
+                                          accept_sampling_tree)
+from quasar.speculative.drafters import Drafter, DraftTree
 from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits
 
 
@@ -156,70 +159,126 @@ class _Output:
         return self.text[: self.stop_at] if self.stop_at is not None else self.text
 
 
-def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], drafter: Drafter,
-           opts: DecodeOptions) -> Iterator[Chunk | Result]:
-    """Yield a Chunk per verifier step, then the Result. Works for any drafter/verifier pair."""
-    opts.validate()
-    if not prompt_ids:
-        raise QuasarError("the prompt is empty")
-    cache = model.cache if model.cache is not None else model.setup_cache()
-    if len(prompt_ids) >= cache.max_seq_len:
-        raise QuasarError(f"prompt has {len(prompt_ids)} tokens; the context holds {cache.max_seq_len}")
-    stats = Stats(prompt_tokens=len(prompt_ids))
-    params = opts.sampling
-    gen = None if params.greedy else make_generator(params)
-    adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1)) \
-        if opts.adaptive and opts.num_draft > 0 else None
-    out = _Output(tokenizer, opts)
-    device = model.model.norm.weight.device
+class Sequence:
+    """One request being decoded: its drafter, sampling, output and stats. It never calls
+    the model; a driver runs the model on the rows it asks for and hands back their logits:
 
-    t0 = time.perf_counter()
-    cache.length = 0
-    if len(prompt_ids) > 1:
-        model(torch.tensor([prompt_ids[:-1]], device=device), logits="none")
-    drafter.reset(prompt_ids)
-    pending = prompt_ids[-1]
-    stats.prefill_s = time.perf_counter() - t0
+        seq = Sequence(prompt_ids, drafter, opts, tokenizer, max_seq_len)
+        # run seq.prefill_ids into the sequence's cache slot, then seq.prefilled()
+        while (rows := seq.next_rows()) is not None:      # ([pending, *draft], parents)
+            kept, chunk = seq.accept(logits_of_those_rows)   # commit `kept`; chunk may be None
+        result = seq.result()
 
-    while out.finish is None:
-        # Prompt + output never exceed the context; a step emits at most k + 1 tokens.
-        room = cache.max_seq_len - len(prompt_ids) - len(out.ids)
+    `decode` drives one sequence; a scheduler may drive many in one step.
+    """
+
+    def __init__(self, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions, tokenizer: Tokenizer,
+                 max_seq_len: int):
+        opts.validate()
+        if not prompt_ids:
+            raise QuasarError("the prompt is empty")
+        if len(prompt_ids) >= max_seq_len:
+            raise QuasarError(f"prompt has {len(prompt_ids)} tokens; the context holds {max_seq_len}")
+        self.t0 = time.perf_counter()
+        self.prompt_ids, self.drafter, self.opts, self.max_seq_len = list(prompt_ids), drafter, opts, max_seq_len
+        self.stats = Stats(prompt_tokens=len(prompt_ids))
+        self.gen = None if opts.sampling.greedy else make_generator(opts.sampling)
+        self.adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1)) \
+            if opts.adaptive and opts.num_draft > 0 else None
+        self.out = _Output(tokenizer, opts)
+        drafter.reset(self.prompt_ids)
+        self.pending = self.prompt_ids[-1]  # the last token, not yet in the cache
+        self.tree: DraftTree | None = None  # the draft of the step in flight
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What to run into the cache before the first step: the prompt but its last token."""
+        return self.prompt_ids[:-1]
+
+    def prefilled(self) -> None:
+        self.stats.prefill_s = time.perf_counter() - self.t0
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finish is not None
+
+    def next_rows(self) -> tuple[list[int], list[int]] | None:
+        """The next step's rows: tokens [pending, *draft] and parents (-1 for the pending
+        token, whose own K/V are not in the cache yet); None once the sequence has ended."""
+        if self.finished:
+            return None
+        # Prompt + output never exceed the context; a step emits at most its depth + 1 tokens.
+        room = self.max_seq_len - len(self.prompt_ids) - len(self.out.ids)
         if room <= 0:
-            out.finish = "length"
-            break
-        want = adaptive.next_k() if adaptive else opts.num_draft
-        k = max(0, min(want, room - 1, opts.max_new_tokens - len(out.ids) - 1))
-        draft = drafter.propose(k)[:k] if k > 0 else []
-        start = cache.length
-        logits = model(torch.tensor([[pending, *draft]], device=device))[0]
-        if gen is None:
-            emitted = accept_greedy(draft, logits)
+            self.out.finish = "length"
+            return None
+        want = self.adaptive.next_k() if self.adaptive else self.opts.num_draft
+        k = max(0, min(want, room - 1, self.opts.max_new_tokens - len(self.out.ids) - 1))
+        self.tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
+        return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
+
+    def accept(self, logits: torch.Tensor) -> tuple[list[int], Chunk | None]:
+        """Judge the step's rows (`logits` [rows, vocab], in `next_rows` order): returns the
+        rows to keep in the cache (the pending token and the accepted drafts, root first)
+        and what the step added to the output (None when nothing shows yet)."""
+        tree, params = self.tree, self.opts.sampling
+        if self.gen is None:
+            path, emitted = accept_greedy_tree(tree, logits)
+        elif tree.is_chain:
+            emitted = accept_sampling(tree.tokens, probs_from_logits(logits, params), self.gen)
+            path = list(range(len(emitted) - 1))
         else:
-            emitted = accept_sampling(draft, probs_from_logits(logits, params), gen)
-        n_acc = len(emitted) - 1
-        cache.length = start + 1 + n_acc  # roll back the rejected drafts
+            path, emitted = accept_sampling_tree(tree, probs_from_logits(logits, params), self.gen)
+        n_acc = len(path)
+        stats = self.stats
         stats.steps += 1
         stats.emitted += len(emitted)
-        stats.drafted += len(draft)
+        stats.drafted += len(tree)
         stats.accepted += n_acc
-        if adaptive:
-            adaptive.update(len(draft), n_acc)
+        stats.accepted_hist[len(emitted)] += 1
+        if self.adaptive and tree.is_chain:
+            self.adaptive.update(len(tree), n_acc)
+        if self.drafter.observe_top_k:
+            row_tokens = [self.pending, *tree.tokens]
+            self.drafter.observe(row_tokens, logits.topk(self.drafter.observe_top_k, dim=-1).indices.tolist())
 
-        n_before, pieces = len(out.ids), []
+        n_before, pieces = len(self.out.ids), []
         for i, token in enumerate(emitted):
-            piece = out.add(token, from_draft=i < n_acc)
+            piece = self.out.add(token, from_draft=i < n_acc)
             if piece:
                 pieces.append(piece)
-            if out.finish is not None:
+            if self.out.finish is not None:
                 break
-        kept = out.ids[n_before:]  # an EOS and tokens past a stop are not output
-        stats.accepted_hist[len(emitted)] += 1
-        drafter.extend(emitted)
-        pending = emitted[-1]
-        if pieces or kept:
-            yield Chunk(pieces, kept)
+        kept_ids = self.out.ids[n_before:]  # an EOS and tokens past a stop are not output
+        self.drafter.extend(emitted)
+        self.pending = emitted[-1]
+        self.tree = None
+        chunk = Chunk(pieces, kept_ids) if pieces or kept_ids else None
+        return [0, *(i + 1 for i in path)], chunk
 
-    stats.new_tokens = len(out.ids)
-    stats.wall_s = time.perf_counter() - t0
-    stats.decode_s = stats.wall_s - stats.prefill_s
-    yield Result(out.final_text, list(out.ids), out.finish, stats)
+    def result(self) -> Result:
+        stats = self.stats
+        stats.new_tokens = len(self.out.ids)
+        stats.wall_s = time.perf_counter() - self.t0
+        stats.decode_s = stats.wall_s - stats.prefill_s
+        return Result(self.out.final_text, list(self.out.ids), self.out.finish, stats)
+
+
+def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], drafter: Drafter,
+           opts: DecodeOptions, slot: int = 0) -> Iterator[Chunk | Result]:
+    """Yield a Chunk per verifier step, then the Result, decoding one sequence in cache slot
+    `slot`. Works for any drafter/verifier pair."""
+    cache = model.cache if model.cache is not None else model.setup_cache()
+    seq = Sequence(prompt_ids, drafter, opts, tokenizer, cache.max_seq_len)
+    cache.lengths[slot] = 0
+    if seq.prefill_ids:
+        model(torch.tensor([seq.prefill_ids], device=model.model.norm.weight.device), logits="none", slot=slot)
+    seq.prefilled()
+    while (step := seq.next_rows()) is not None:
+        tokens, parents = step
+        rows = Rows.build(tokens, [slot] * len(tokens), parents, cache.lengths)
+        kept, chunk = seq.accept(model.step(rows))
+        cache.commit(slot, kept, rows)
+        if chunk is not None:
+            yield chunk
+    yield seq.result()
