@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from quasar.bench import commands as bench_commands
 from quasar.cli_args import add_decoding_args, add_model_args
 from quasar.errors import QuasarError
+from quasar.fileio import read_text
 from quasar.eval import commands as eval_commands
 from quasar.quant import commands as quant_commands
 from quasar.server import commands as server_commands
@@ -46,15 +46,9 @@ def _generate_parser(sub) -> None:
 
 def _read_prompt(args) -> str:
     if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise QuasarError(f"prompt file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise QuasarError(f"{path}: not UTF-8 text") from None
+        text = read_text(args.prompt_file)
         if not text.strip():
-            raise QuasarError(f"{path}: prompt file is empty")
+            raise QuasarError(f"{args.prompt_file}: prompt file is empty")
         return text
     return args.prompt if args.prompt is not None else BUILTIN_PROMPT
 

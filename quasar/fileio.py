@@ -1,8 +1,9 @@
-"""Writing files and folders so that a reader never sees them half-written.
+"""Files: written so that a reader never sees them half-written; read with clear errors.
 
 A file is written to a temporary sibling and renamed over the target; a folder is filled
 as a temporary sibling and renamed into place. A crash or an error leaves the target as it
-was (absent, or the previous version) and removes the temporary.
+was (absent, or the previous version) and removes the temporary. A user's file that
+cannot be read is a one-line QuasarError that names it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -57,3 +60,22 @@ def atomic_dir(out: str | Path, fill: Callable[[Path], None], exist_ok: bool = F
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextmanager
+def reading(path: str | Path) -> Iterator[None]:
+    """Turn the ways a user's text file fails to read into one-line QuasarErrors."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise QuasarError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise QuasarError(f"{path}: is a directory, expected a file") from None
+    except UnicodeDecodeError as e:
+        raise QuasarError(f"{path}: not UTF-8 text ({e.reason})") from None
+
+
+def read_text(path: str | Path) -> str:
+    """A user's UTF-8 text file; QuasarErrors name what is wrong with it."""
+    with reading(path):
+        return Path(path).read_text(encoding="utf-8")

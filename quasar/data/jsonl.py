@@ -7,28 +7,22 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from quasar.errors import QuasarError
+from quasar.fileio import reading
 
 
 def iter_jsonl(path: Path, opener: Any = open) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line number, object) per non-blank line; errors name file and line."""
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise QuasarError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-                if not isinstance(obj, dict):
-                    raise QuasarError(f"{path}:{lineno}: expected a JSON object per line")
-                yield lineno, obj
-    except FileNotFoundError:
-        raise QuasarError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise QuasarError(f"{path}: is a directory, expected a file") from None
-    except UnicodeDecodeError as e:
-        raise QuasarError(f"{path}: not UTF-8 text ({e.reason})") from None
+    with reading(path), opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise QuasarError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            if not isinstance(obj, dict):
+                raise QuasarError(f"{path}:{lineno}: expected a JSON object per line")
+            yield lineno, obj
 
 
 def take(records: Iterator[Any], limit: int | None) -> list[Any]:

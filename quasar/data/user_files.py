@@ -12,6 +12,7 @@ from typing import Any
 
 from quasar.data.jsonl import iter_jsonl
 from quasar.errors import QuasarError
+from quasar.fileio import read_text
 
 
 def read_text_records(path: str | Path) -> list[str]:
@@ -26,7 +27,7 @@ def read_text_records(path: str | Path) -> list[str]:
             if text.strip():
                 texts.append(text)
     else:
-        texts = [_read_plain_text(path)]
+        texts = [read_text(path)]
     if not any(t.strip() for t in texts):
         raise QuasarError(f"{path}: file is empty")
     return texts
@@ -35,17 +36,6 @@ def read_text_records(path: str | Path) -> list[str]:
 def read_text_file(path: str | Path) -> str:
     """A user ``--calib``/``--text-file`` as one string (.jsonl documents joined by "\\n\\n")."""
     return "\n\n".join(read_text_records(path))
-
-
-def _read_plain_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise QuasarError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise QuasarError(f"{path}: is a directory, expected a file") from None
-    except UnicodeDecodeError as e:
-        raise QuasarError(f"{path}: not UTF-8 text ({e.reason})") from None
 
 
 _ROLES = ("system", "user", "assistant")

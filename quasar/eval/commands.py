@@ -10,7 +10,6 @@ Only argparse at import time; the engine is imported when the command runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -21,15 +20,8 @@ _TASKS = "fidelity,perplexity,humaneval,mmlu,boolq,asdiv"
 
 
 def _limit(value: str) -> int:
-    if value.strip().lower() == "all":
-        return -1
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of items or 'all', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--limit must be >= 1 (or 'all'), got {n}")
-    return n
+    """A positive number of items, or 'all' (-1)."""
+    return -1 if value.strip().lower() == "all" else positive_int(value)
 
 
 def register(sub) -> None:
