@@ -9,7 +9,8 @@ import sys
 from quasar.errors import QuasarError
 
 MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "ngram-pruned")
-PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8")
+PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8",
+              "openvino", "openvino-pld")
 TASK_NAMES = ("code", "summarization", "qa", "math", "chat")
 
 

@@ -19,6 +19,8 @@ Peers:
   on a Q8_0 copy made by llama.cpp's own quantizer (8.5 bits per weight, like W8A8).
   llama-cpp-python is an optional extra (scripts/install_llamacpp.sh); without it these
   peers are reported as unavailable.
+- `openvino`, `openvino-pld`: OpenVINO GenAI on an int8 export of the same float model
+  (quasar/bench/openvino.py); optional too (scripts/install_openvino.sh).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from quasar.paths import cache_dir
 
 HF_PEERS = ("hf", "hf-pld")
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8")
-PEERS = HF_PEERS + LLAMACPP_PEERS
+OPENVINO_PEERS = ("openvino", "openvino-pld")  # quasar/bench/openvino.py
+PEERS = HF_PEERS + LLAMACPP_PEERS + OPENVINO_PEERS
 HF_PLD_TOKENS = 10
 LLAMACPP_PLD_TOKENS = 2
 LLAMA_FTYPE_MOSTLY_Q8_0 = 7  # llama.h enum llama_ftype
@@ -323,6 +326,10 @@ def make_peers(names: list[str], *, model_dir: Path, dtype: torch.dtype, gguf_pa
     for name in names:
         if name in HF_PEERS:
             engines.append(HFPeer(name, shared))
+        elif name in OPENVINO_PEERS:
+            from quasar.bench.openvino import OpenVINOPeer
+
+            engines.append(OpenVINOPeer(name, model_dir, threads, eos_ids))
         else:
             engines.append(LlamaCppPeer(name, gguf_path, threads, n_ctx, eos_ids, why_no_gguf))
     return engines
