@@ -39,7 +39,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from quasar.bench.peers import OPENVINO_PEERS, Engine, RunResult, Unavailable
+from quasar.bench.peers import OPENVINO_PEERS, Contender, RunResult, Unavailable
+from quasar.paths import cache_dir
 
 PLD_ASSISTANT_TOKENS = 5
 PLD_MAX_NGRAM = 3
@@ -82,13 +83,12 @@ def export_python() -> Path:
 
 def export_dir(model_dir: Path) -> Path:
     """Cache entry of the int8 IR export of `model_dir`."""
-    from quasar.models.gguf import cache_root
     from quasar.quant.verifier import model_identity
 
     blob = json.dumps({"model": model_identity(model_dir), "task": EXPORT_TASK,
                        "weight_format": EXPORT_WEIGHT_FORMAT, "format": EXPORT_FORMAT}, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-    return cache_root() / "openvino" / f"{Path(model_dir).resolve().name}-{EXPORT_WEIGHT_FORMAT}-{key}"
+    return cache_dir("openvino") / f"{Path(model_dir).resolve().name}-{EXPORT_WEIGHT_FORMAT}-{key}"
 
 
 def _tail(text: str, lines: int = 3) -> str:
@@ -179,7 +179,7 @@ def _import_genai():
     return openvino_genai
 
 
-class OpenVINOPeer(Engine):
+class OpenVINOPeer(Contender):
     def __init__(self, name: str, model_dir: Path, threads: int, eos_ids: set[int]):
         if name not in OPENVINO_PEERS:
             raise ValueError(name)

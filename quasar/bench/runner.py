@@ -235,6 +235,7 @@ def environment(threads: int) -> dict:
         "torch_threads": threads,
         "transformers": _version("transformers"),
         "llama_cpp_python": _version("llama-cpp-python") or _version("llama_cpp_python"),
+        "openvino_genai": _version("openvino-genai"),
     }
 
 
