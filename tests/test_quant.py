@@ -4,6 +4,7 @@ and bad `quasar quantize` inputs fail cleanly."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from quasar.quant.calibrate import calibrate, token_windows
 from quasar.quant.checkpoint import prepare_quantized_modules, quantization_config, save_checkpoint
 from quasar.eval.fidelity import compare_models
 from quasar.quant.int8 import Int8Linear, set_backend
-from quasar.quant.quantize import _untie_lm_head, build_w8a8, clone_model
+from quasar.quant.quantize import build_w8a8
 
 CALIB = ("The committee met on Tuesday to review the annual budget and the new transit plan.\n"
          "def mean(xs):\n    return sum(xs) / len(xs)\n"
@@ -63,7 +64,7 @@ def test_rotation_leaves_float_logits_unchanged(arch, model_dirs):
     loaded = load_model(model_dirs[arch])
     ids = loaded.tokenizer.encode(PROMPT)
     ref = logits(loaded.model, ids)
-    work = clone_model(loaded.model)
+    work = copy.deepcopy(loaded.model)
     sm.rotate_model(work)
     assert not work.config.tie_word_embeddings
     assert torch.equal(work.model.layers[0].input_layernorm.weight, torch.ones(64))
@@ -76,8 +77,8 @@ def test_smoothing_leaves_float_logits_unchanged(arch, model_dirs):
     loaded = load_model(model_dirs[arch])
     ids = loaded.tokenizer.encode(PROMPT)
     ref = logits(loaded.model, ids)
-    work = clone_model(loaded.model)
-    _untie_lm_head(work)
+    work = copy.deepcopy(loaded.model)
+    work.lm_head.weight = torch.nn.Parameter(work.lm_head.weight.detach().clone())  # untie
     groups = sm.bind_groups(work, smooth_o_down=True, lm_head=True)
     assert {g.group.name for g in groups} == {"attn_in", "mlp_in", "attn_out", "mlp_out", "head_in"}
     stats = calibrate(work, token_windows(loaded.tokenizer, CALIB, 2, 48), progress=False)
@@ -117,7 +118,7 @@ def test_fixed_alpha_and_float_lm_head(llama):
 
 def test_gptq_rounding_beats_nearest_on_its_inputs():
     from quasar.quant.numerics import quantize_weight
-    from quasar.quant.quantize import gptq_quantize
+    from quasar.quant.gptq import gptq_quantize
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 96, generator=gen) @ torch.randn(96, 96, generator=gen)  # correlated inputs
@@ -204,12 +205,15 @@ def test_w8a8_verifier_is_cached(llama, tmp_path, monkeypatch):
     first = verifier.w8a8_verifier(llama, **opts)
     assert first is not llama.model and not isinstance(llama.model.lm_head, Int8Linear)
     entries = list((tmp_path / "cache" / "w8a8").iterdir())
-    assert len(entries) == 1 and (entries[0] / "model.safetensors").is_file()
+    assert len(entries) == 1 and (entries[0] / "model.safetensors.index.json").is_file()
 
     def no_rebuild(*a, **k):
         raise AssertionError("recalibrated although the cache holds this model")
 
-    monkeypatch.setattr(verifier, "build_w8a8", no_rebuild)
+    from quasar.quant import quantize
+
+    monkeypatch.setattr(quantize, "quantize_to_dir", no_rebuild)
+    monkeypatch.setattr(quantize, "build_w8a8", no_rebuild)
     second = verifier.w8a8_verifier(llama, **opts)
     ids = llama.tokenizer.encode(PROMPT)
     assert torch.equal(logits(second, ids), logits(first, ids))

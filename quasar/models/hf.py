@@ -48,8 +48,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from quasar.models.tensors import safetensors_names
+
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
+        safetensors_names(f)  # a truncated file is an error here, not a SIGBUS later
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():

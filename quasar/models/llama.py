@@ -138,6 +138,13 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return inv_freq
 
 
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """RoPE's cos and sin [T, head_dim] at `positions`."""
+    freqs = torch.outer(positions.to(torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -245,9 +252,7 @@ class Transformer(nn.Module):
         return self.cache
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = torch.outer(positions.to(torch.float32), self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(self.inv_freq, positions, dtype)
 
     def _logits(self, x: Tensor, which: str) -> Tensor | None:
         if which == "none":

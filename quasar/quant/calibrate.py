@@ -35,7 +35,7 @@ class CalibrationStats:
     ``act_max[name]``: float32 [in_features], max |input| per channel over all tokens.
     ``samples[name]``: float32 [rows, in_features], a subsample of input rows (only for
     the layers that were asked for).
-    ``hessians[name]``: float64 [in, in], ``X^T X`` over a subsample of tokens (only for the
+    ``hessians[name]``: float32 [in, in], ``X^T X`` over a subsample of tokens (only for the
     layers asked for; GPTQ's second-order statistics).
     """
 
@@ -113,12 +113,73 @@ def decoder_linears(model: nn.Module, include_lm_head: bool = True) -> dict[str,
     return out
 
 
+class StatsCollector:
+    """Accumulates ``CalibrationStats`` from the inputs of named linear layers.
+
+    ``observe(name, x)`` takes one window's input rows of a layer; ``hook(modules)`` feeds
+    it from forward pre-hooks instead. Call ``window(n_tokens)`` before each calibration
+    window: it picks the rows kept for the alpha search (the same rows for every layer).
+    Hessians (``X^T X`` over every ``hessian_stride``-th token) are summed in float32: over
+    a few dozen windows that is well within what GPTQ's damped Cholesky needs, at half the
+    memory of float64.
+    """
+
+    def __init__(self, n_windows: int, keep: Iterable[str] = (), hessians: Iterable[str] = (),
+                 keep_rows: int = DEFAULT_KEEP_ROWS, seed: int = 0, hessian_stride: int = 4):
+        self.stats = CalibrationStats()
+        self.keep, self.hessian_names = set(keep), set(hessians)
+        self.keep_rows, self.stride = keep_rows, hessian_stride
+        self.per_window = max(1, -(-keep_rows // max(1, n_windows)))  # rows kept per window, per layer
+        self._gen = torch.Generator().manual_seed(seed)
+        self._rows: dict[str, list[Tensor]] = {name: [] for name in self.keep}
+        self._pick: Tensor | None = None
+        self._handles: list = []
+
+    def window(self, n_tokens: int) -> None:
+        take = min(self.per_window, n_tokens)
+        self._pick = torch.randperm(n_tokens, generator=self._gen)[:take].sort().values
+
+    def observe(self, name: str, x: Tensor) -> None:
+        st = self.stats
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()
+        m = x2.abs().amax(dim=0).cpu()
+        prev = st.act_max.get(name)
+        st.act_max[name] = m if prev is None else torch.maximum(prev, m)
+        if name in self._rows and self._pick is not None:
+            self._rows[name].append(x2[self._pick.to(x2.device)].cpu())
+        if name in self.hessian_names:
+            xs = x2[::self.stride]
+            h = (xs.t() @ xs).cpu()
+            prev = st.hessians.get(name)
+            st.hessians[name] = h if prev is None else prev.add_(h)
+
+    def hook(self, modules: Mapping[str, nn.Module]) -> "StatsCollector":
+        unknown = (self.keep | self.hessian_names) - modules.keys()
+        if unknown:
+            raise QuasarError(f"calibration: no linear layer named {sorted(unknown)[0]!r}")
+        for name, module in modules.items():
+            self._handles.append(module.register_forward_pre_hook(
+                lambda _m, args, name=name: self.observe(name, args[0])))
+        return self
+
+    def finish(self) -> CalibrationStats:
+        """Remove the hooks and return the statistics."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for name, chunks in self._rows.items():
+            if chunks:
+                self.stats.samples[name] = torch.cat(chunks)[:self.keep_rows]
+        return self.stats
+
+
 @torch.inference_mode()
 def calibrate(model: nn.Module, windows: list[list[int]], keep: Iterable[str] = (),
               keep_rows: int = DEFAULT_KEEP_ROWS, include_lm_head: bool = True, progress: bool = True,
               seed: int = 0, source: str = "", hessians: Iterable[str] = (),
               hessian_stride: int = 4) -> CalibrationStats:
-    """Run the float ``model`` over ``windows`` and collect input statistics per linear.
+    """Run a whole float ``model`` over ``windows`` and collect input statistics per linear
+    (the sequential quantizer collects them one layer at a time instead).
 
     ``include_lm_head=False`` skips the vocabulary projection (a large share of the time)
     when its statistics are not needed.
@@ -130,56 +191,24 @@ def calibrate(model: nn.Module, windows: list[list[int]], keep: Iterable[str] = 
 
     if not windows:
         raise QuasarError("no calibration windows")
-    keep, hessians = set(keep), set(hessians)
-    linears = decoder_linears(model, include_lm_head)
-    unknown = (keep | hessians) - linears.keys()
-    if unknown:
-        raise QuasarError(f"calibration: no linear layer named {sorted(unknown)[0]!r}")
-    stats = CalibrationStats(n_samples=len(windows), seq_len=max(len(w) for w in windows), source=source)
-    per_window = max(1, -(-keep_rows // len(windows)))  # rows kept from each window, per layer
-    gen = torch.Generator().manual_seed(seed)
-    rows: dict[str, list[Tensor]] = {name: [] for name in keep}
-    pick: list[Tensor | None] = [None]  # row indices for the current window (same for all layers)
-
-    def hook(name: str):
-        def fn(module, args):
-            x = args[0].detach()
-            x2 = x.reshape(-1, x.shape[-1]).float()
-            m = x2.abs().amax(dim=0)
-            prev = stats.act_max.get(name)
-            stats.act_max[name] = m if prev is None else torch.maximum(prev, m)
-            if name in rows and pick[0] is not None:
-                rows[name].append(x2[pick[0]].clone())
-            if name in hessians:
-                xs = x2[::hessian_stride]
-                h = (xs.t() @ xs).double()
-                prev = stats.hessians.get(name)
-                stats.hessians[name] = h if prev is None else prev.add_(h)
-        return fn
-
-    handles = [lin.register_forward_pre_hook(hook(name)) for name, lin in linears.items()]
+    collector = StatsCollector(len(windows), keep, hessians, keep_rows, seed, hessian_stride)
+    collector.hook(decoder_linears(model, include_lm_head))
     saved_cache = getattr(model, "cache", None)
     dev = next(model.parameters()).device
+    n_tokens = 0
     try:
         model.cache = None
-        model.setup_cache(stats.seq_len)
-        bar = tqdm(windows, desc="calibrating", unit="sample", file=sys.stderr, disable=not progress,
-                   leave=False)
-        for ids in bar:
-            n = len(ids)
-            take = min(per_window, n)
-            pick[0] = torch.randperm(n, generator=gen)[:take].sort().values.to(dev)
+        model.setup_cache(max(len(w) for w in windows))
+        for ids in tqdm(windows, desc="calibrating", unit="sample", file=sys.stderr, disable=not progress,
+                        leave=False):
+            collector.window(len(ids))
             model.cache.length = 0
             # logits="all" makes lm_head see every position; "none" skips it
             model(torch.tensor([ids], device=dev), logits="all" if include_lm_head else "none")
-            stats.n_tokens += n
+            n_tokens += len(ids)
     finally:
-        for h in handles:
-            h.remove()
+        stats = collector.finish()
         model.cache = saved_cache
-    for name, chunks in rows.items():
-        if chunks:
-            stats.samples[name] = torch.cat(chunks)[:keep_rows].cpu()
-    stats.act_max = {k: v.cpu() for k, v in stats.act_max.items()}
-    stats.hessians = {k: v.cpu() for k, v in stats.hessians.items()}
+    stats.n_samples, stats.seq_len, stats.n_tokens, stats.source = (
+        len(windows), max(len(w) for w in windows), n_tokens, source)
     return stats

@@ -147,12 +147,46 @@ def prepare_quantized_modules(model: Transformer, quant_config: dict, tensors: d
 # --------------------------------------------------------------------------- writing
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> None:
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer and generation files of model directory ``src`` (never its weights)."""
     if not (Path(src) / "tokenizer.json").is_file():
         raise QuasarError(f"{src}: no tokenizer.json to copy into the checkpoint")
     for f in sorted(Path(src).iterdir()):
         if f.is_file() and not _NOT_COPIED.fullmatch(f.name):
             shutil.copy2(f, dst / f.name)
+
+
+class ShardWriter:
+    """Writes a checkpoint's tensors as they are made: one safetensors shard per ``add``,
+    and the index naming each tensor's shard on ``finish``. Used inside ``atomic_dir``, so
+    readers see the directory only once everything is written."""
+
+    def __init__(self, folder: Path, n_shards: int):
+        self.folder, self.n_shards = Path(folder), n_shards
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+
+    def add(self, tensors: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        k = len(set(self.weight_map.values())) + 1
+        if k > self.n_shards:
+            raise ValueError(f"more than the {self.n_shards} shards announced")
+        name = f"model-{k:05d}-of-{self.n_shards:05d}.safetensors"
+        tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+        save_file(tensors, str(self.folder / name), metadata={"format": "pt"})
+        for n, t in tensors.items():
+            self.weight_map[n] = name
+            self.total_bytes += t.numel() * t.element_size()
+
+    def finish(self, config: dict, tokenizer_dir: Path | None) -> None:
+        if len(set(self.weight_map.values())) != self.n_shards:
+            raise ValueError(f"{len(set(self.weight_map.values()))} of {self.n_shards} shards written")
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+        (self.folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            copy_tokenizer(Path(tokenizer_dir), self.folder)
 
 
 def _state_tensors(model: Transformer, tied: bool, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
@@ -162,41 +196,50 @@ def _state_tensors(model: Transformer, tied: bool, dtype: torch.dtype | None = N
             continue
         if dtype is not None and v.is_floating_point() and not k.endswith("_scale"):
             v = v.to(dtype)
-        out[k] = v.detach().contiguous().cpu()
+        out[k] = v
     return out
 
 
-def _write(tmp: Path, config: dict, tensors: dict[str, Tensor], tokenizer_dir: Path) -> None:
-    from safetensors.torch import save_file
+def _write_one_shard(out: Path, config: dict, tensors: dict[str, Tensor], tokenizer_dir: Path,
+                     exist_ok: bool = False) -> Path:
+    def fill(tmp: Path) -> None:
+        writer = ShardWriter(tmp, 1)
+        writer.add(tensors)
+        writer.finish(config, tokenizer_dir)
 
-    _copy_tokenizer(tokenizer_dir, tmp)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return atomic_dir(out, fill, exist_ok)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
 
 
-def save_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str | Path,
-                    exist_ok: bool = False) -> Path:
-    """Write a W8A8 ``model`` (from ``quantize_model``) as a self-contained directory.
-
-    ``quasar generate --model OUT`` (or ``load_model(OUT)``) loads it without recalibrating.
-    """
-    if not any(isinstance(m, Int8Linear) for m in model.modules()):
-        raise QuasarError("save_checkpoint expects a quantized model (see quantize_model)")
-    int8_head = isinstance(model.lm_head, Int8Linear)
-    cfg = model.config if not int8_head else dataclasses.replace(model.config, tie_word_embeddings=False)
-    tied = cfg.tie_word_embeddings
-    dtype = model.model.norm.weight.dtype
-    info = dict(getattr(model, "quant_info", {}) or {})
+def checkpoint_config(cfg, int8_head: bool, info: dict, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json of our W8A8 checkpoint: the model's config, its float dtype, and the
+    ``quantization_config`` (``info`` under ``quasar``; an int8 lm_head unties it)."""
+    if int8_head:
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    info = dict(info)
     info.update(version=FORMAT_VERSION, lm_head="int8" if int8_head else "float")
     config = cfg.to_hf()
     config["torch_dtype"] = _dtype_name(dtype)
     config["quantization_config"] = quantization_config([] if int8_head else ["lm_head"], info)
-    tensors = _state_tensors(model, tied)
-    return atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)), exist_ok)
+    return config
+
+
+def save_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str | Path,
+                    exist_ok: bool = False) -> Path:
+    """Write a W8A8 ``model`` held in memory as a self-contained directory (one shard).
+
+    ``quasar generate --model OUT`` (or ``load_model(OUT)``) loads it without recalibrating.
+    """
+    if not any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise QuasarError("save_checkpoint expects a quantized model (see quasar.quant.quantize)")
+    int8_head = isinstance(model.lm_head, Int8Linear)
+    config = checkpoint_config(model.config, int8_head, getattr(model, "quant_info", {}) or {},
+                               model.model.norm.weight.dtype)
+    tensors = _state_tensors(model, config["tie_word_embeddings"])
+    return _write_one_shard(Path(out), config, tensors, Path(tokenizer_dir), exist_ok)
 
 
 def export_compressed_tensors(model: Transformer, out: str | Path, tokenizer_dir: str | Path,
@@ -223,4 +266,4 @@ def export_compressed_tensors(model: Transformer, out: str | Path, tokenizer_dir
     config = cfg.to_hf()
     config["torch_dtype"] = _dtype_name(dtype)
     config["quantization_config"] = quantization_config(["lm_head"])
-    return atomic_dir(Path(out), lambda tmp: _write(tmp, config, tensors, Path(tokenizer_dir)))
+    return _write_one_shard(Path(out), config, tensors, Path(tokenizer_dir))

@@ -73,7 +73,7 @@ def register(sub) -> None:
 
 def _options(args, *names: str) -> dict:
     """Quantization options the user set (the library defaults fill in the rest)."""
-    from quasar.quant.quantize import parse_alpha
+    from quasar.quant.options import parse_alpha
 
     opts = {}
     if args.alpha is not None:
@@ -125,20 +125,20 @@ def run_quantize(args) -> int:
         calib_text = read_text_file(args.calib)  # missing / empty / not UTF-8: clear errors
     import torch
 
-    from quasar.models.loader import load_model
-    from quasar.quant.checkpoint import save_checkpoint
-    from quasar.quant.quantize import build_w8a8, is_quantized
+    from quasar.models.loader import resolve_model_dir
+    from quasar.models.tokenizer import Tokenizer
+    from quasar.quant.quantize import quantize_to_dir
+    from quasar.quant.verifier import is_quantized_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_model(args.model, args.dtype)
-    if is_quantized(loaded.model):
+    model_dir = resolve_model_dir(args.model)
+    if is_quantized_dir(model_dir):
         raise QuasarError(f"{args.model} is already a W8A8 checkpoint")
-    model = build_w8a8(loaded.model, loaded.tokenizer, calib_text=calib_text, calib_source=args.calib,
-                       progress=not args.no_progress, **opts)
-    save_checkpoint(model, out, loaded.model_dir)
-    info = model.quant_info
+    config = quantize_to_dir(model_dir, Tokenizer(model_dir), out, calib_text=calib_text, calib_source=args.calib,
+                             progress=not args.no_progress, **opts)
+    info = config["quantization_config"]["quasar"]
     print(f"wrote {out}: W8A8, alpha={info['alpha']}, lm_head={info['lm_head']}, "
           f"smooth_o_down={info['smooth_o_down']}, rotate={info['rotate']}, gptq={info['gptq']}, "
           f"down_act_bits={info['down_act_bits']}, "
@@ -159,16 +159,13 @@ def run_export(args) -> int:
 
     from quasar.models.loader import load_model
     from quasar.quant.checkpoint import export_compressed_tensors
-    from quasar.quant.quantize import is_quantized
     from quasar.quant.verifier import w8a8_verifier
 
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, args.dtype)
-    if is_quantized(loaded.model):
-        model = loaded.model
-    else:
-        model = w8a8_verifier(loaded, lm_head="float", progress=not args.no_progress, **opts)
+    # a W8A8 checkpoint is exported as it is (an int8 lm_head dequantized)
+    model = w8a8_verifier(loaded, lm_head="float", progress=not args.no_progress, **opts)
     export_compressed_tensors(model, out, loaded.model_dir)
     print(f"wrote {out} (compressed-tensors int-quantized, lm_head float, {_size_mb(out):.0f} MB)\n"
           f"serve it: vllm serve {out} --speculative-config "

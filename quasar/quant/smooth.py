@@ -83,32 +83,43 @@ class BoundGroup:
         return self.consumer_names[0]
 
 
+def _enabled(smooth_o_down: bool, lm_head: bool) -> set:
+    return {None, *(["o_down"] if smooth_o_down else []), *(["lm_head"] if lm_head else [])}
+
+
+def _bind(key: str, g: Group, modules: dict[str, nn.Module], prefix: str, cfg) -> BoundGroup:
+    names = tuple(prefix + c for c in g.consumers)
+    missing = [n for n in (prefix + g.producer, *names) if n not in modules]
+    if missing:
+        raise QuasarError(f"smoothing: model has no module {missing[0]!r}")
+    consumers = tuple(modules[n] for n in names)
+    if not all(isinstance(c, nn.Linear) for c in consumers):
+        raise QuasarError(f"smoothing {key}: consumers must be float nn.Linear (already quantized?)")
+    return BoundGroup(key, g, prefix + g.producer, modules[prefix + g.producer], names, consumers,
+                      rep=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim)
+
+
+def layer_groups(layer: nn.Module, cfg, index: int, smooth_o_down: bool = True) -> list[BoundGroup]:
+    """The groups of decoder layer ``index`` (names as in the whole model: ``model.layers.N.``)."""
+    prefix = f"model.layers.{index}."
+    modules = {prefix + n: m for n, m in layer.named_modules() if n}
+    enabled = _enabled(smooth_o_down, False)
+    return [_bind(f"layers.{index}.{g.name}", g, modules, prefix, cfg) for g in LAYER_GROUPS if g.switch in enabled]
+
+
+def head_groups(norm: nn.Module, lm_head: nn.Module, cfg) -> list[BoundGroup]:
+    """``model.norm -> lm_head`` (only smoothed when lm_head is int8)."""
+    modules = {"model.norm": norm, "lm_head": lm_head}
+    return [_bind(g.name, g, modules, "", cfg) for g in FINAL_GROUPS]
+
+
 def bind_groups(model: nn.Module, smooth_o_down: bool = True, lm_head: bool = False) -> list[BoundGroup]:
     """The groups to smooth in ``model``, in order; ``lm_head`` adds ``model.norm -> lm_head``."""
-    cfg = model.config
-    modules = dict(model.named_modules())
-    enabled = {None, *(["o_down"] if smooth_o_down else []), *(["lm_head"] if lm_head else [])}
-    bound = []
-
-    def bind(key: str, g: Group, prefix: str) -> None:
-        names = tuple(prefix + c for c in g.consumers)
-        missing = [n for n in (prefix + g.producer, *names) if n not in modules]
-        if missing:
-            raise QuasarError(f"smoothing: model has no module {missing[0]!r}")
-        consumers = tuple(modules[n] for n in names)
-        if not all(isinstance(c, nn.Linear) for c in consumers):
-            raise QuasarError(f"smoothing {key}: consumers must be float nn.Linear (already quantized?)")
-        bound.append(BoundGroup(key, g, prefix + g.producer, modules[prefix + g.producer], names, consumers,
-                                rep=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim))
-
-    for i in range(len(model.model.layers)):
-        for g in LAYER_GROUPS:
-            if g.switch in enabled:
-                bind(f"layers.{i}.{g.name}", g, f"model.layers.{i}.")
-    for g in FINAL_GROUPS:
-        if g.switch in enabled:
-            bind(g.name, g, "")
-    return bound
+    groups = [bg for i, layer in enumerate(model.model.layers)
+              for bg in layer_groups(layer, model.config, i, smooth_o_down)]
+    if lm_head:
+        groups += head_groups(model.model.norm, model.lm_head, model.config)
+    return groups
 
 
 def sample_names(groups: Sequence[BoundGroup]) -> list[str]:
@@ -116,9 +127,10 @@ def sample_names(groups: Sequence[BoundGroup]) -> list[str]:
     return [g.sample_name for g in groups]
 
 
-def input_owners(model: nn.Module) -> dict[str, str]:
-    """Every smoothable linear -> the first linear reading the same input (q for q, k, v)."""
-    return {c: bg.sample_name for bg in bind_groups(model, True, True) for c in bg.consumer_names}
+def input_owners(groups: Sequence[BoundGroup]) -> dict[str, str]:
+    """Every consumer of ``groups`` -> the first linear reading the same input (q for q, k, v);
+    pass all groups (``smooth_o_down`` on) to cover every linear."""
+    return {c: bg.sample_name for bg in groups for c in bg.consumer_names}
 
 
 def _consumer_wmax(bg: BoundGroup) -> Tensor:
@@ -212,25 +224,20 @@ def search_alpha(bg: BoundGroup, act_max: Tensor, x: Tensor,
     return best, errors
 
 
-def smooth_model(model: nn.Module, stats: CalibrationStats, alpha: float | str,
-                 smooth_o_down: bool = True, lm_head: bool = False, grid: Sequence[float | None] = AUTO_GRID,
-                 progress: bool = False, scales_out: dict[str, Tensor] | None = None) -> dict[str, float | None]:
-    """Fold smoothing scales into ``model`` in place; returns the alpha used per group.
+def smooth_groups(groups: Sequence[BoundGroup], stats: CalibrationStats, alpha: float | str,
+                  grid: Sequence[float | None] = AUTO_GRID,
+                  scales_out: dict[str, Tensor] | None = None) -> dict[str, float | None]:
+    """Fold smoothing scales into the groups' modules in place; returns the alpha used per group.
 
     ``alpha`` is a float in [0, 1] for every group, or "auto" for the per-group search
     (needs ``stats.samples`` for each group's first consumer). ``scales_out`` receives
     the consumer-side scale of each smoothed group, keyed by its first consumer (the
     smoothed input is ``x / s``).
     """
-    import sys
-
-    from tqdm import tqdm
-
     if alpha != "auto" and not isinstance(alpha, (int, float)):
         raise QuasarError(f"alpha must be a number in [0, 1] or 'auto', got {alpha!r}")
-    groups = bind_groups(model, smooth_o_down, lm_head)
     chosen: dict[str, float | None] = {}
-    for bg in tqdm(groups, desc="smoothing", unit="group", file=sys.stderr, disable=not progress, leave=False):
+    for bg in groups:
         act = stats.act_max.get(bg.sample_name)
         if act is None:
             raise QuasarError(f"smoothing {bg.key}: no calibration statistics for {bg.sample_name}")
@@ -248,6 +255,12 @@ def smooth_model(model: nn.Module, stats: CalibrationStats, alpha: float | str,
                 scales_out[bg.sample_name] = s_cons
         chosen[bg.key] = a
     return chosen
+
+
+def smooth_model(model: nn.Module, stats: CalibrationStats, alpha: float | str,
+                 smooth_o_down: bool = True, lm_head: bool = False, **kwargs) -> dict[str, float | None]:
+    """``smooth_groups`` over every group of a whole model (calibrated as a whole)."""
+    return smooth_groups(bind_groups(model, smooth_o_down, lm_head), stats, alpha, **kwargs)
 
 
 # --------------------------------------------------------------------------- rotation
@@ -271,9 +284,62 @@ def _set(p: nn.Parameter | Tensor, value: Tensor) -> None:
     p.data = value.to(p.dtype).contiguous()
 
 
+_ROW_CHUNK = 8192  # rows rotated at a time: a vocabulary-sized matrix is never upcast whole
+
+
+def rotate_rows(w: Tensor, q: Tensor, gain: Tensor | None = None) -> Tensor:
+    """(w * gain) @ q in float64, chunk by chunk, back in w's dtype: what a reader of the
+    rotated stream (a linear after a norm with weight ``gain``, or the embedding table) holds."""
+    out = torch.empty_like(w)
+    g = None if gain is None else gain.detach().double()[None, :]
+    for i in range(0, w.shape[0], _ROW_CHUNK):
+        chunk = w[i:i + _ROW_CHUNK].double()
+        out[i:i + _ROW_CHUNK] = (chunk if g is None else chunk * g) @ q
+    return out
+
+
+def _read(linears, norm, q: Tensor) -> None:
+    for lin in linears:
+        _set(lin.weight, rotate_rows(lin.weight.detach(), q, norm.weight))
+    _set(norm.weight, torch.ones_like(norm.weight))
+
+
+def _write(lin: nn.Linear, q: Tensor) -> None:
+    _set(lin.weight, q.t() @ lin.weight.double())
+    if lin.bias is not None:
+        _set(lin.bias, lin.bias.double() @ q)
+
+
+@torch.no_grad()
+def rotate_layer(layer: nn.Module, cfg, q: Tensor, r: Tensor | None) -> None:
+    """Fold the residual rotation ``q`` (and the value-head rotation ``r``) into one float
+    decoder layer in place: its norms into q, k, v and gate, up; o and down write rotated."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not all(isinstance(m, nn.Linear) for m in (attn.q_proj, mlp.down_proj)):
+        raise QuasarError("rotation expects a float model (rotate before quantizing)")
+    _read((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, q)
+    _read((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, q)
+    _write(attn.o_proj, q)
+    _write(mlp.down_proj, q)
+    if r is not None:
+        d = cfg.head_dim
+        wv = attn.v_proj.weight.double().view(cfg.num_kv_heads, d, -1)
+        _set(attn.v_proj.weight, torch.einsum("de,gdh->geh", r, wv).reshape(cfg.num_kv_heads * d, -1))
+        if attn.v_proj.bias is not None:
+            _set(attn.v_proj.bias, (attn.v_proj.bias.double().view(-1, d) @ r).reshape(-1))
+        wo = attn.o_proj.weight.double().view(-1, cfg.num_heads, d)
+        _set(attn.o_proj.weight, (wo @ r).reshape(-1, cfg.num_heads * d))
+
+
+def rotations(cfg, seed: int = 0, heads: bool = True) -> tuple[Tensor, Tensor | None]:
+    """(residual rotation [hidden, hidden], value-head rotation [head_dim, head_dim] or None)."""
+    return rotation_matrix(cfg.hidden_size, seed), rotation_matrix(cfg.head_dim, seed + 1) if heads else None
+
+
 @torch.no_grad()
 def rotate_model(model: nn.Module, seed: int = 0, heads: bool = True) -> None:
-    """Fold orthogonal rotations into ``model`` in place (exact in float, up to rounding).
+    """Fold orthogonal rotations into a whole float ``model`` in place (exact in float, up
+    to rounding).
 
     The residual stream is rotated by Q: every RMSNorm weight is folded into the linears
     it feeds (an unweighted RMSNorm commutes with Q, as it preserves the norm) and set to
@@ -281,42 +347,18 @@ def rotate_model(model: nn.Module, seed: int = 0, heads: bool = True) -> None:
     vectors, the readers (q, k, v, gate, up, lm_head) take them. With ``heads``, each value
     head is rotated by R and ``o_proj``'s columns of every query head by the same R (one
     R for all heads, so GQA sharing is consistent). Outlier channels get spread over all
-    channels, which is what per-token int8 activations need. lm_head is untied.
+    channels, which is what per-token int8 activations need. lm_head is untied. The
+    sequential quantizer applies the same pieces one layer at a time.
     """
     cfg = model.config
-    if not all(isinstance(m, nn.Linear) for m in (model.lm_head, model.model.layers[0].mlp.down_proj)):
+    if not isinstance(model.lm_head, nn.Linear):
         raise QuasarError("rotate_model expects a float model (rotate before quantizing)")
     if model.lm_head.weight is model.model.embed_tokens.weight:
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-    q = rotation_matrix(cfg.hidden_size, seed)
-
-    def read(linears, norm):
-        g = norm.weight.detach().double()
-        for lin in linears:
-            _set(lin.weight, (lin.weight.double() * g[None, :]) @ q)
-        _set(norm.weight, torch.ones_like(g))
-
-    def write(lin):
-        _set(lin.weight, q.t() @ lin.weight.double())
-        if lin.bias is not None:
-            _set(lin.bias, lin.bias.double() @ q)
-
+    q, r = rotations(cfg, seed, heads)
     emb = model.model.embed_tokens
-    _set(emb.weight, emb.weight.double() @ q)
-    r = rotation_matrix(cfg.head_dim, seed + 1) if heads else None
+    _set(emb.weight, rotate_rows(emb.weight.detach(), q))
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        read((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm)
-        read((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm)
-        write(attn.o_proj)
-        write(mlp.down_proj)
-        if r is not None:
-            d = cfg.head_dim
-            wv = attn.v_proj.weight.double().view(cfg.num_kv_heads, d, -1)
-            _set(attn.v_proj.weight, torch.einsum("de,gdh->geh", r, wv).reshape(cfg.num_kv_heads * d, -1))
-            if attn.v_proj.bias is not None:
-                _set(attn.v_proj.bias, (attn.v_proj.bias.double().view(-1, d) @ r).reshape(-1))
-            wo = attn.o_proj.weight.double().view(-1, cfg.num_heads, d)
-            _set(attn.o_proj.weight, (wo @ r).reshape(-1, cfg.num_heads * d))
-    read((model.lm_head,), model.model.norm)
+        rotate_layer(layer, cfg, q, r)
+    _read((model.lm_head,), model.model.norm, q)
     model.config = dataclasses.replace(cfg, tie_word_embeddings=False)

@@ -1,4 +1,7 @@
-"""`--verifier w8a8`: the W8A8 copy of a loaded float model, quantized once and cached.
+"""`--verifier w8a8`: the W8A8 copy of a model directory, quantized once and cached.
+
+The directory is quantized layer by layer straight into the cache (never loading the float
+model); decoding then loads only the int8 checkpoint.
 
 The quantized checkpoint is kept under ``$QUASAR_CACHE/w8a8/`` keyed by the identity of
 the model directory (path, sizes and modification times of its config and weights), the
@@ -20,17 +23,8 @@ from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.paths import cache_dir
 from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
-from quasar.quant.quantize import (
-    DEFAULT_ALPHA,
-    DEFAULT_DOWN_ACT_BITS,
-    DEFAULT_GPTQ,
-    DEFAULT_LM_HEAD,
-    DEFAULT_ROTATE,
-    DEFAULT_SMOOTH_O_DOWN,
-    build_w8a8,
-    check_options,
-    is_quantized,
-)
+from quasar.quant.options import (DEFAULT_ALPHA, DEFAULT_DOWN_ACT_BITS, DEFAULT_GPTQ, DEFAULT_LM_HEAD, DEFAULT_ROTATE,
+                                  DEFAULT_SMOOTH_O_DOWN, check_options)
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -71,61 +65,84 @@ def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
     return text, hashlib.sha256(text.encode()).hexdigest()
 
 
+def is_quantized_dir(model_dir: Path) -> bool:
+    """Whether a model directory is itself a quantized checkpoint (its config says so)."""
+    from quasar.models.hf import read_config
+
+    return read_config(Path(model_dir)).get("quantization_config") is not None
+
+
+def _dtype_of(loaded) -> torch.dtype:
+    dtype = getattr(loaded, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
 def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = DEFAULT_LM_HEAD,
                   smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, calib: str | Path | None = None,
                   samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, rotate: bool = DEFAULT_ROTATE,
                   gptq: bool = DEFAULT_GPTQ, backend: str = "auto", down_act_bits: int = DEFAULT_DOWN_ACT_BITS,
                   cache: bool = True, progress: bool | None = None, **unknown) -> Transformer:
-    """A new W8A8 Transformer for ``loaded`` (a ``LoadedModel``); the float model is untouched.
+    """The W8A8 Transformer for ``loaded`` (a ``LoadedModel``), from its directory alone.
 
-    A model that is already W8A8 (loaded from a quantized checkpoint) is returned as is.
-    Otherwise the first call calibrates and quantizes (tens of seconds for the default
-    model) and saves the result in the cache; later calls with the same model and
-    options load it.
+    A directory that is already W8A8 (a quantized checkpoint) gives ``loaded.model`` as is.
+    Otherwise the first call quantizes the directory layer by layer (tens of seconds for the
+    default model) straight into the cache; later calls with the same model and options
+    load that checkpoint. The float model is never loaded for this.
     """
     from quasar.quant.int8 import set_backend
+    from quasar.quant.quantize import build_w8a8, quantize_to_dir
 
     if unknown:
         raise QuasarError(f"unknown quantization option {sorted(unknown)[0]!r}; known: alpha, lm_head, "
                           "smooth_o_down, calib, samples, seq_len, rotate, gptq, backend, down_act_bits, cache, progress")
     alpha = check_options(alpha, lm_head, backend, down_act_bits)
-    model = loaded.model
-    if is_quantized(model):
+    if samples < 1 or seq_len < 2:
+        raise QuasarError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
+    model_dir = Path(loaded.model_dir)
+    if is_quantized_dir(model_dir):
+        model = loaded.model
         if backend != "auto":
             set_backend(model, backend)
         return model
-    if samples < 1 or seq_len < 2:
-        raise QuasarError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
     if progress is None:
         progress = sys.stderr.isatty()
     text, digest = _calib_text(calib)
-    dtype = model.model.norm.weight.dtype
+    dtype = _dtype_of(loaded)
     options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
                "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate),
                "gptq": bool(gptq), "down_act_bits": int(down_act_bits)}
-    target = cache_path(loaded.model_dir, dtype, options) if cache else None
+    build = dict(alpha=alpha, lm_head=lm_head, smooth_o_down=smooth_o_down, samples=samples, seq_len=seq_len,
+                 rotate=rotate, gptq=gptq, backend=backend, down_act_bits=down_act_bits, calib_text=text,
+                 calib_source=str(calib) if calib else None, progress=progress)
+    target = cache_path(model_dir, dtype, options) if cache else None
     if target is not None and (target / "config.json").is_file():
         try:
-            from quasar.models.hf import load_hf_dir
-
-            cached = load_hf_dir(target, dtype)
-            if backend != "auto":
-                set_backend(cached, backend)
-            return cached
+            return _load(target, dtype, backend)
         except QuasarError as e:  # damaged entry: rebuild it
             print(f"warning: rebuilding the W8A8 cache entry {target} ({e})", file=sys.stderr)
             shutil.rmtree(target, ignore_errors=True)
-    if progress:
-        print("quantizing the model to W8A8 (once; the result is cached)...", file=sys.stderr)
-    qmodel = build_w8a8(model, loaded.tokenizer, alpha=alpha, smooth_o_down=smooth_o_down, lm_head=lm_head,
-                        calib_text=text, calib_source=str(calib) if calib else None, samples=samples,
-                        seq_len=seq_len, rotate=rotate, gptq=gptq, backend=backend,
-                        progress=progress, down_act_bits=down_act_bits)
     if target is not None:
-        from quasar.quant.checkpoint import save_checkpoint
-
+        if progress:
+            print("quantizing the model to W8A8 layer by layer (once; the result is cached)...", file=sys.stderr)
         try:
-            save_checkpoint(qmodel, target, loaded.model_dir, exist_ok=True)
+            quantize_to_dir(model_dir, loaded.tokenizer, target, exist_ok=True, **build)
+            return _load(target, dtype, backend)
         except OSError as e:  # a read-only or full cache must not stop decoding
-            print(f"warning: could not cache the W8A8 model in {target} ({e})", file=sys.stderr)
-    return qmodel
+            print(f"warning: could not cache the W8A8 model in {target} ({e}); building it in memory",
+                  file=sys.stderr)
+    from quasar.models.config import ModelConfig
+    from quasar.models.hf import read_config
+    from quasar.models.tensors import SafetensorsSource
+
+    return build_w8a8(SafetensorsSource(model_dir), loaded.tokenizer, cfg=ModelConfig.from_hf(read_config(model_dir)),
+                      dtype=dtype, **build)
+
+
+def _load(target: Path, dtype: torch.dtype, backend: str) -> Transformer:
+    from quasar.models.hf import load_hf_dir
+    from quasar.quant.int8 import set_backend
+
+    model = load_hf_dir(target, dtype)
+    if backend != "auto":
+        set_backend(model, backend)
+    return model

@@ -1,0 +1,117 @@
+"""GPTQ rounding: int8 weights chosen with error feedback, weighted by the inputs' X^T X.
+
+Same format and scales as plain rounding (``numerics.quantize_weight``: symmetric int8 per
+output channel); only the rounding of each weight changes, so that ||X W^T - X Q^T|| is
+small rather than ||W - Q||.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor, nn
+
+from quasar.quant.numerics import quantize_weight
+
+GPTQ_DAMP = 0.1  # of the mean diagonal of X^T X
+_BLOCK = 128  # columns whose error feedback is applied as one matrix product
+_ROWS = 16384  # output rows done at a time: a vocabulary-sized lm_head is never copied whole
+
+
+def _inverse_cholesky(hessian: Tensor, damp: float) -> Tensor | None:
+    """Upper Cholesky factor of the damped inverse Hessian [B, in, in] (float32), or None
+    when it is not positive definite even after damping."""
+    h = hessian.detach().double().clone()
+    diag = torch.diagonal(h, dim1=1, dim2=2)
+    diag[diag <= 0] = 1.0  # inputs never seen: no error feedback through them
+    diag += damp * diag.mean(dim=1, keepdim=True)
+    try:
+        return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    except RuntimeError:
+        return None
+
+
+def _round_rows(w: Tensor, scale: Tensor, u: Tensor, block: int) -> Tensor:
+    """GPTQ over the columns of w [B, rows, in] (modified in place) with factor u; int8."""
+    n = w.shape[2]
+    q = torch.empty_like(w)
+    s2, inv = scale[:, None, :, 0], 1.0 / scale[:, None, :, 0]  # [B, 1, rows]
+    for i1 in range(0, n, block):
+        i2 = min(i1 + block, n)
+        wt = w[:, :, i1:i2].transpose(1, 2).contiguous()  # [B, cols, rows]: a column is a row
+        qt = torch.empty_like(wt)
+        err = torch.empty_like(wt)
+        u1 = u[:, i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = wt[:, i:i + 1]
+            qi = torch.round(col * inv).clamp_(-127, 127)
+            qt[:, i:i + 1] = qi
+            e = (col - qi * s2) / u1[:, i, i, None, None]
+            err[:, i:i + 1] = e
+            if i + 1 < i2 - i1:
+                wt[:, i + 1:].baddbmm_(u1[:, i, i + 1:, None], e, alpha=-1)
+        q[:, :, i1:i2] = qt.transpose(1, 2)
+        if i2 < n:
+            w[:, :, i2:].sub_(torch.bmm(err.transpose(1, 2), u[:, i1:i2, i2:]))
+    return q.to(torch.int8)
+
+
+@torch.no_grad()
+def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = GPTQ_DAMP,
+                  block: int = _BLOCK) -> tuple[Tensor, Tensor]:
+    """Per-output-channel symmetric int8 like ``quantize_weight`` (same scales), rounded by
+    GPTQ for inputs with second moments ``hessian`` = X^T X. Returns (int8 [out, in],
+    float32 [out, 1]).
+
+    Batched: ``weight`` [B, out, in] with ``hessian`` [B, in, in] runs B independent
+    problems at once. Output rows are independent given the Hessian, so they are done
+    ``_ROWS`` at a time.
+    """
+    single = weight.dim() == 2
+    w_all = weight[None] if single else weight
+    n_batch, n_out, _ = w_all.shape
+    u = _inverse_cholesky(hessian[None] if single else hessian, damp)
+    qs, scales = [], []
+    for r1 in range(0, n_out, _ROWS):
+        w = w_all[:, r1:r1 + _ROWS].detach().float().clone()
+        q_s = [quantize_weight(w[b]) for b in range(n_batch)]
+        scale = torch.stack([s for _, s in q_s])  # [B, rows, 1]
+        qs.append(torch.stack([q for q, _ in q_s]) if u is None else _round_rows(w, scale, u, block))
+        scales.append(scale)
+        del w
+    q, scale = torch.cat(qs, dim=1), torch.cat(scales, dim=1)
+    return (q[0], scale[0]) if single else (q, scale)
+
+
+def gptq_weights(linears: dict[str, nn.Linear], owners: dict[str, str], hessians: dict[str, Tensor],
+                 scales: dict[str, Tensor], progress: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
+    """GPTQ-rounded (int8, scale) for the linears whose input owner has a Hessian.
+
+    Linears reading the same input (q, k, v; gate, up: the same ``owners`` entry) share it
+    and are rounded as one matrix. The Hessians come from the unsmoothed inputs; smoothing
+    divides the input by s (``scales[owner]``), so H becomes H / (s s^T).
+    """
+    from tqdm import tqdm
+
+    by_owner: dict[str, list[str]] = {}
+    for name in linears:
+        owner = owners.get(name)
+        if owner is not None and owner in hessians:
+            by_owner.setdefault(owner, []).append(name)
+    out = {}
+    for owner, group in tqdm(by_owner.items(), desc="gptq", unit="matrix", file=sys.stderr,
+                             disable=not progress, leave=False):
+        h = hessians[owner]
+        s = scales.get(owner)
+        if s is not None:
+            s = s.double()
+            h = h.double() / (s[:, None] * s[None, :])
+        w = torch.cat([linears[n].weight.detach().float() for n in group])
+        q, scale = gptq_quantize(w, h)
+        start = 0
+        for n in group:
+            rows = linears[n].out_features
+            out[n] = (q[start:start + rows], scale[start:start + rows])
+            start += rows
+    return out

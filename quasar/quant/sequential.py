@@ -1,0 +1,194 @@
+"""Quantize a model one decoder layer at a time (ARCHITECTURE.md, "Sequential quantization").
+
+The calibration hidden states of all samples (samples x seq x hidden, small) are carried
+from layer to layer. For layer i: read its float weights from the source, rotate, collect
+that layer's input statistics and Hessians only, smooth, round with GPTQ, hand the int8
+layer to the sink (a checkpoint shard on disk, or a dict), then run the *quantized* layer
+to make layer i + 1's inputs. The embeddings come first and the final norm and lm_head
+last. Peak memory is about one float layer, its Hessians and the activations; the float
+model is never built whole.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from quasar.models.config import ModelConfig
+from quasar.models.llama import DecoderLayer, KVCache, Prefill, RMSNorm, rope_cos_sin, rope_inv_freq
+from quasar.models.tensors import TensorSource
+from quasar.quant.calibrate import StatsCollector
+from quasar.quant.gptq import gptq_weights
+from quasar.quant.int8 import Int8Linear
+from quasar.quant.options import QuantOptions
+from quasar.quant.smooth import (head_groups, input_owners, layer_groups, rotate_layer, rotate_rows, rotations,
+                                 sample_names, smooth_groups)
+
+Sink = Callable[[dict[str, Tensor]], None]  # receives each finished part's tensors (HF names)
+
+
+class _Windows:
+    """The calibration windows' hidden states [1, T, hidden] and what running a layer over
+    them needs: RoPE tables and causal masks per length, a one-layer scratch KV cache."""
+
+    def __init__(self, cfg: ModelConfig, hidden: list[Tensor]):
+        self.cfg, self.hidden = cfg, hidden
+        inv_freq = rope_inv_freq(cfg)
+        self._rope: dict[int, tuple[Tensor, Tensor, Prefill]] = {}
+        for x in hidden:
+            t = x.shape[1]
+            if t not in self._rope:
+                pos = torch.arange(t)
+                cos, sin = rope_cos_sin(inv_freq, pos, torch.float32)
+                self._rope[t] = (cos, sin, Prefill(0, 0, pos[None, :] <= pos[:, None]))
+        longest = max(x.shape[1] for x in hidden)
+        self.cache = KVCache(1, cfg.num_kv_heads, longest, cfg.head_dim, torch.float32)
+
+    @torch.inference_mode()
+    def run(self, layer: DecoderLayer, collector: StatsCollector | None = None) -> list[Tensor]:
+        """The layer's outputs for every window (statistics to ``collector`` on the way)."""
+        out = []
+        for x in self.hidden:
+            if collector is not None:
+                collector.window(x.shape[1])
+            cos, sin, at = self._rope[x.shape[1]]
+            out.append(layer(x, cos, sin, self.cache, 0, at))
+        return out
+
+
+def _float_layer(source: TensorSource, cfg: ModelConfig, index: int) -> DecoderLayer:
+    """Decoder layer ``index`` from the source, in float32 (only this layer is upcast)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg)
+    prefix = f"model.layers.{index}."
+    state = {name: source.get(prefix + name).float() for name in layer.state_dict()}
+    layer.load_state_dict(state, assign=True, strict=True)
+    return layer.eval()
+
+
+def _int8(linear: nn.Linear, rounded: tuple[Tensor, Tensor] | None, backend: str, act_bits: int) -> Int8Linear:
+    if rounded is None:
+        return Int8Linear.from_float(linear, backend, act_bits)
+    layer = Int8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, backend=backend,
+                       act_bits=act_bits)
+    layer.weight.copy_(rounded[0])
+    layer.weight_scale.copy_(rounded[1])
+    if linear.bias is not None:
+        layer.bias.copy_(linear.bias.detach())
+    return layer
+
+
+def _quantize_linears(root: nn.Module, prefix: str, groups, all_groups, stats, opts: QuantOptions,
+                      chosen: dict[str, float | None]) -> None:
+    """Smooth ``groups`` (the enabled ones), round every linear under ``root`` (GPTQ where it
+    has a Hessian) and swap it for an Int8Linear in place."""
+    scales: dict[str, Tensor] = {}
+    chosen.update(smooth_groups(groups, stats, opts.alpha, scales_out=scales))
+    linears = {prefix + n: m for n, m in root.named_modules() if isinstance(m, nn.Linear)}
+    rounded = gptq_weights(linears, input_owners(all_groups), stats.hessians, scales) if opts.gptq else {}
+    modules = dict(root.named_modules())
+    for name, lin in linears.items():
+        parent, _, child = name[len(prefix):].rpartition(".")
+        bits = opts.down_act_bits if name.endswith("mlp.down_proj") else 8
+        setattr(modules[parent] if parent else root, child, _int8(lin, rounded.get(name), opts.backend, bits))
+
+
+def _collector(groups, all_groups, opts: QuantOptions, n_windows: int) -> StatsCollector:
+    keep = sample_names(groups) if opts.alpha == "auto" else ()
+    hessians = sorted(set(input_owners(all_groups).values())) if opts.gptq else ()
+    return StatsCollector(n_windows, keep=keep, hessians=hessians)
+
+
+@torch.no_grad()
+def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[int]], sink: Sink,
+                    opts: QuantOptions, progress: bool = False) -> dict:
+    """Quantize the model in ``source`` part by part into ``sink``; returns what was done
+    (the checkpoint's ``quantization_config.quasar``). ``opts`` must be checked."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    q, r = rotations(cfg) if opts.rotate else (None, None)
+    chosen: dict[str, float | None] = {}
+
+    emb = source.get("model.embed_tokens.weight").float()
+    if q is not None:
+        emb = rotate_rows(emb, q)
+    data = _Windows(cfg, [emb[torch.tensor(ids)][None] for ids in windows])
+    sink({"model.embed_tokens.weight": emb})
+    del emb
+
+    for i in tqdm(range(cfg.num_layers), desc="quantizing layers", unit="layer", file=sys.stderr,
+                  disable=not progress, leave=False):
+        layer = _float_layer(source, cfg, i)
+        if q is not None:
+            rotate_layer(layer, cfg, q, r)
+        groups = layer_groups(layer, cfg, i, opts.smooth_o_down)
+        all_groups = layer_groups(layer, cfg, i, True)
+        collector = _collector(groups, all_groups, opts, len(windows)).hook(
+            {f"model.layers.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)})
+        float_out = data.run(layer, collector)
+        stats = collector.finish()
+        _quantize_linears(layer, f"model.layers.{i}.", groups, all_groups, stats, opts, chosen)
+        data.hidden = data.run(layer) if opts.propagate == "quantized" else float_out
+        sink({f"model.layers.{i}.{n}": t for n, t in layer.state_dict().items()})
+        del layer, float_out, stats
+
+    _quantize_head(source, cfg, data.hidden, q, sink, opts, chosen)
+    return {
+        "alpha": opts.alpha,
+        "smooth_o_down": bool(opts.smooth_o_down),
+        "lm_head": opts.lm_head,
+        "backend": opts.backend,
+        "alphas": _alpha_summary(chosen),
+        "gptq": bool(opts.gptq),
+        "down_act_bits": int(opts.down_act_bits),
+        "rotate": bool(opts.rotate),
+        "pipeline": "sequential",
+        "propagate": opts.propagate,
+        "calibration": {"samples": len(windows), "seq_len": max(len(w) for w in windows),
+                        "tokens": sum(len(w) for w in windows)},
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _quantize_head(source: TensorSource, cfg: ModelConfig, hidden: list[Tensor], q: Tensor | None, sink: Sink,
+                   opts: QuantOptions, chosen: dict) -> None:
+    """The final norm and lm_head. Rotation folds the norm into lm_head (which unties it from
+    the embeddings); an int8 lm_head is calibrated on the last layer's quantized outputs."""
+    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm.weight = nn.Parameter(source.get("model.norm.weight").float(), requires_grad=False)
+    if q is None and not opts.int8_head:
+        sink({"model.norm.weight": norm.weight.data})
+        if not cfg.tie_word_embeddings:
+            sink({"lm_head.weight": source.get("lm_head.weight")})
+        return
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in source
+    head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    head.weight = nn.Parameter(source.get("model.embed_tokens.weight" if tied else "lm_head.weight").float(),
+                               requires_grad=False)
+    if q is not None:
+        head.weight.data = rotate_rows(head.weight.data, q, norm.weight.data)
+        norm.weight.data = torch.ones_like(norm.weight.data)
+    holder = nn.Module()
+    holder.lm_head = head
+    if opts.int8_head:
+        groups = head_groups(norm, head, cfg)
+        collector = _collector(groups, groups, opts, len(hidden))
+        with torch.inference_mode():
+            for x in hidden:  # only lm_head's input is needed, not its (vocabulary-wide) output
+                collector.window(x.shape[1])
+                collector.observe("lm_head", norm(x))
+        _quantize_linears(holder, "", groups, groups, collector.finish(), opts, chosen)
+    sink({"model.norm.weight": norm.weight.data, **{f"lm_head.{n}": t for n, t in holder.lm_head.state_dict().items()}})
+
+
+def _alpha_summary(chosen: dict[str, float | None]) -> dict[str, list]:
+    """{"attn_in": [a_layer0, a_layer1, ...], ..., "head_in": [a]}: small enough for config.json."""
+    out: dict[str, list] = {}
+    for key, a in chosen.items():
+        out.setdefault(key.rsplit(".", 1)[-1], []).append(None if a is None else round(a, 3))
+    return out
