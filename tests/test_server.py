@@ -389,7 +389,8 @@ def test_quasar_serve_command(llm, tmp_path):
                 return False
         assert wait_for(lambda: up() or proc.poll() is not None, 60) and proc.poll() is None, proc.stdout.read()
         server = type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port})
-        resp = client(server).chat.completions.create(model="x", messages=USER, max_tokens=3, temperature=0)
+        resp = client(server).chat.completions.create(model=model_dir.name, messages=USER, max_tokens=3,
+                                                      temperature=0)
         assert resp.usage.completion_tokens == 3 and resp.model_extra["quasar"]["drafter"] == "ngram"
         assert json.loads(raw(server, "GET", "/health")[2])["max_context"] == 256
     finally:

@@ -217,11 +217,16 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
         check_auth(request)
         return {"object": "list", "data": [model_card()]}
 
+    def check_model(model_id: str | None) -> None:
+        """The one model this server knows is the id `/v1/models` lists; a request may also omit it."""
+        if model_id is not None and model_id != served:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{served}'.",
+                           param="model", code="model_not_found")
+
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         check_auth(request)
-        if model_id != served:
-            raise ApiError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+        check_model(model_id)
         return model_card()
 
     # ------------------------------------------------------------------ generation
@@ -292,6 +297,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
         check_auth(request)
         body = await read_body(request)
         req = parse_chat(body) if kind == "chat" else parse_completion(body, llm.tokenizer.vocab_size)
+        check_model(req.model)
         prompt_ids = await encode(req)
         opts = decode_options(req, len(prompt_ids))
         events = _JobEvents(asyncio.get_running_loop())
@@ -315,7 +321,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
             raise scheduler_error(first[1])
         if first[0] == "cancelled":
             return Response(status_code=499)
-        rid, created, model = new_id(kind), now(), req.model or served
+        rid, created, model = new_id(kind), now(), served
         if req.stream:
             return _JobStream(stream_events(req, opts, job, events, first, rid, created, model), events,
                               media_type="text/event-stream",

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STOP = 16
+# Deepest nesting a request body may have. Real requests need about 6 levels (messages ->
+# message -> content parts -> part); the bound keeps everything that walks a body (json's
+# own parser, error messages that re-serialise a value) far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -43,6 +47,8 @@ def parse_json_body(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400 ApiError."""
     try:
         body = json.loads(raw)
+    except RecursionError:  # deeper than the interpreter's recursion limit
+        raise _too_deep() from None
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"We could not parse the JSON body of your request ({e}). The body must be "
                             "a JSON object, sent with Content-Type: application/json.",
@@ -50,7 +56,26 @@ def parse_json_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {_type_name(body)}.",
                        code="invalid_json")
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     return body
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} levels deep.",
+                    code="invalid_json")
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` nests arrays/objects more than `limit` levels deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def _type_name(v: Any) -> str:
