@@ -211,7 +211,7 @@ def test_malformed_and_wrongly_typed_requests(main):
     c = client(main)
     for kwargs, param in [(dict(max_tokens="many"), "max_tokens"), (dict(temperature="hot"), "temperature"),
                           (dict(temperature=5), "temperature"), (dict(stream="yes"), "stream"),
-                          (dict(stop=[1, 2]), "stop"), (dict(n=2), "n"),
+                          (dict(stop=[1, 2]), "stop"), (dict(n=0), "n"),
                           (dict(extra_body={"num_draft": "five"}), "num_draft"),
                           (dict(extra_body={"verifier": "nope"}), "verifier"),
                           (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),

@@ -64,6 +64,16 @@ class Stats:
     wall_s: float = 0.0
     accepted_hist: Counter = field(default_factory=Counter)  # tokens emitted per step -> steps
 
+    @classmethod
+    def combined(cls, parts: list["Stats"]) -> "Stats":
+        """The stats of several decodes of one prompt, one after another (the prompt counted once)."""
+        total = cls(prompt_tokens=parts[0].prompt_tokens)
+        for p in parts:
+            for name in ("new_tokens", "steps", "emitted", "drafted", "accepted", "prefill_s", "decode_s", "wall_s"):
+                setattr(total, name, getattr(total, name) + getattr(p, name))
+            total.accepted_hist.update(p.accepted_hist)
+        return total
+
     @property
     def mean_accepted(self) -> float:
         """Emitted tokens per verifier step (L): exactly 1.0 for autoregressive decoding, whose
