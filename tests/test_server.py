@@ -364,7 +364,7 @@ def test_metrics_are_prometheus_text(main):
     assert re.search(r'^quasar_acceptance_length_bucket\{drafter="ngram",verifier="fp",le="\+Inf"\} [1-9]',
                      text, re.M)
     assert re.search(r'^quasar_request_duration_seconds_count\{endpoint="/v1/chat/completions"\} [1-9]', text, re.M)
-    for name in ("quasar_completion_tokens_total", "quasar_prompt_tokens_total", "quasar_queue_depth",
+    for name in ("quasar_completion_tokens_total", "quasar_prompt_tokens_total", "quasar_requests_waiting",
                  "quasar_requests_cancelled_total", "quasar_time_to_first_token_seconds_count"):
         assert re.search(rf"^{name} ", text, re.M), name
 

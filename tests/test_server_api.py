@@ -1,12 +1,13 @@
 """OpenAI API details of `quasar serve` that a malformed-request sweep found missing: an
-unknown model, a deeply nested body, `logprobs` / `top_logprobs` and `n > 1`. Through the
-real `openai` client or raw HTTP, against a server on loopback serving a tiny random model
-(the real SmolLM2 tokenizer)."""
+unknown model, a deeply nested body, `logprobs` / `top_logprobs`, `n > 1`, and the
+engine's gauges in `/metrics`. Through the real `openai` client or raw HTTP, against a
+server on loopback serving a tiny random model (the real SmolLM2 tokenizer)."""
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,7 +17,7 @@ openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
 from conftest import make_tiny_model  # noqa: E402
-from test_server import USER, assert_error_shape, client, raw  # noqa: E402
+from test_server import USER, assert_error_shape, client, raw, wait_for  # noqa: E402
 
 from quasar.api import LLM  # noqa: E402
 from quasar.server.app import BackgroundServer, create_app  # noqa: E402
@@ -207,3 +208,33 @@ def test_n_streamed_choices_with_logprobs(server):
             [e.token for e in ch.logprobs.content]
         assert [m.finish_reason for m in mine if m.finish_reason] == [ch.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 12
+
+
+# --------------------------------------------------------------------------- gauges
+
+def _gauge(server, name: str) -> float:
+    text = raw(server, "GET", "/metrics")[2].decode()
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def test_metrics_expose_waiting_running_and_batch_size(server):
+    engine, c = server.app.state.scheduler, client(server)
+    stream = c.chat.completions.create(model="tiny", messages=USER, max_tokens=450, temperature=0, stream=True,
+                                       extra_body={"drafter": "none"})
+    next(stream), next(stream)  # the role chunk, then the first text: the request is being decoded
+    assert _gauge(server, "quasar_requests_running") == 1 and _gauge(server, "quasar_batch_size") == 1
+    stream.close()
+    assert wait_for(lambda: engine.current is None)
+    assert _gauge(server, "quasar_requests_running") == 0 and _gauge(server, "quasar_batch_size") == 0
+
+    engine.pause()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(c.chat.completions.create, model="tiny", messages=USER, max_tokens=2)
+            assert wait_for(lambda: engine.queue_depth == 1)
+            assert _gauge(server, "quasar_requests_waiting") == 1
+            engine.resume()
+            assert queued.result(timeout=30).usage.completion_tokens == 2
+    finally:
+        engine.resume()
+    assert _gauge(server, "quasar_requests_waiting") == 0

@@ -90,7 +90,7 @@ class Scheduler:
             if self.current is not None:
                 self.current.cancel.set()
             self._cond.notify_all()
-        self.metrics.queue_depth.set(0)
+        self.metrics.waiting.set(0)
         for job in pending:
             self._emit(job, "error", SchedulerClosed("the server is shutting down"))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -123,7 +123,7 @@ class Scheduler:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._pending.append(job)
-            self.metrics.queue_depth.set(len(self._pending))
+            self.metrics.waiting.set(len(self._pending))
             self._cond.notify_all()
         return job
 
@@ -136,7 +136,7 @@ class Scheduler:
                 if self._closed:
                     return
                 job = self._pending.popleft()
-                self.metrics.queue_depth.set(len(self._pending))
+                self.metrics.waiting.set(len(self._pending))
                 self.current = job
             try:
                 self._run(job)
@@ -164,6 +164,7 @@ class Scheduler:
             self._emit(job, "cancelled", None)
             return
         m.running.set(1)
+        m.batch_size.set(1)  # one sequence per verifier step until the engine batches
         m.prompt_tokens.inc(len(job.prompt_ids))
         try:
             results = []
@@ -183,6 +184,7 @@ class Scheduler:
             self._emit(job, "error", e)
         finally:
             m.running.set(0)
+            m.batch_size.set(0)
 
     def _decode_choice(self, job: Job, index: int) -> Result | None:
         """Decode choice `index` of `job`, streaming its chunks; None when the client left
