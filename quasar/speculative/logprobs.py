@@ -29,11 +29,14 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], top_n: int) -> list
         return []
     logp = torch.log_softmax(rows.float(), dim=-1)
     chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
     if top_n:
-        # A stable sort ranks equal logprobs by token id, greedy's tie rule, so a greedy
-        # token is always its row's first alternative (topk's order among ties is unspecified).
-        top_lp, top_ids = (x[:, :top_n] for x in torch.sort(logp, dim=-1, descending=True, stable=True))
-        tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
-    else:
-        tops = [[] for _ in token_ids]
+        # Rank equal logprobs by token id, greedy's tie rule, so a greedy token is always its
+        # row's first alternative. topk's order among ties is unspecified and a full sort of
+        # the vocabulary costs more than a verifier step, so take every token at least as
+        # likely as the row's n-th best (n of them but for ties) and sort those few.
+        at_least = logp >= logp.topk(top_n, dim=-1).values[:, -1:]
+        for (row, token), lp in zip(at_least.nonzero().tolist(), logp[at_least].tolist()):  # both row-major
+            tops[row].append((token, lp))
+        tops = [sorted(top, key=lambda e: (-e[1], e[0]))[:top_n] for top in tops]
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
