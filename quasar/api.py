@@ -134,9 +134,12 @@ class LLM:
                       top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None,
                       drafter: str | None = None, verifier: str | None = None,
                       num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
-                      ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE) -> DecodePlan:
+                      ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE,
+                      logprobs: int | None = None) -> DecodePlan:
         """Check decoding options without decoding (a QuasarError names the bad one, in
-        `param`) and resolve the drafter/verifier defaults; `stream` decodes with the result."""
+        `param`) and resolve the drafter/verifier defaults; `stream` decodes with the result.
+        `logprobs=N` adds each output token's logprob and N alternatives to chunks and result
+        (`quasar.speculative.logprobs`)."""
         drafter = drafter or self.drafter
         verifier = verifier or self.verifier
         parse_verifier(verifier)
@@ -144,7 +147,7 @@ class LLM:
         drafter_class(drafter).check_options(**drafter_options)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         opts = DecodeOptions(max_new_tokens=max_new_tokens, stop=stops, num_draft=num_draft, adaptive=adaptive,
-                             sampling=SamplingParams(temperature, top_k, top_p, seed)).validate()
+                             sampling=SamplingParams(temperature, top_k, top_p, seed), logprobs=logprobs).validate()
         if drafter == "none":
             opts.num_draft = 0
         return DecodePlan(drafter, verifier, drafter_options, opts)

@@ -172,7 +172,9 @@ def load_prompts(args) -> list:
 
 
 def make_body(args, prompt) -> tuple[str, dict]:
-    body: dict = {"model": args.model_name, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    body: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.model_name is not None:
+        body["model"] = args.model_name
     if args.completions:
         path = "/v1/completions"
         body["prompt"] = prompt if isinstance(prompt, str) else prompt[-1]["content"]
@@ -258,7 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--verifier", default=None, help="per-request verifier (default: the server's)")
     p.add_argument("--num-draft", type=int, default=None)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--model-name", default="default", help="the 'model' field sent")
+    p.add_argument("--model-name", default=None,
+                   help="the 'model' field sent (default: none, which the server answers with its model)")
     p.add_argument("--threads", type=int, default=None, help="with --model: torch threads")
     p.add_argument("--max-context", type=int, default=2048, help="with --model: context length")
     p.add_argument("--max-queue", type=int, default=64, help="with --model: the server's queue bound")

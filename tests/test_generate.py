@@ -112,6 +112,37 @@ def test_streaming_multibyte_text(chat_llm):
     assert "\ufffd" not in streamed or "\ufffd" in chat_llm.tokenizer.decode(r.token_ids)
 
 
+def _stream(llm, prompt, **options) -> tuple[list, Result]:
+    items = list(llm.stream(prompt, raw=True, **options))
+    return items[:-1], items[-1]
+
+
+def test_logprobs_come_from_the_rows_that_emitted_the_tokens(char_llm):
+    """With drafts accepted, each token's logprobs are those of its own row: the same as
+    decoding it alone (autoregressive), the greedy token ranks first, and chunks add up to
+    the result. Without the option nothing is computed."""
+    accepted = 0
+    for prompt in REPETITIVE[:4]:
+        chunks, spec = _stream(char_llm, prompt, max_new_tokens=30, drafter="ngram", logprobs=3)
+        _, ar = _stream(char_llm, prompt, max_new_tokens=30, drafter="none", logprobs=3)
+        accepted += spec.stats.accepted
+        assert [e.token_id for e in spec.logprobs] == spec.token_ids == ar.token_ids
+        assert [e for c in chunks for e in c.logprobs] == spec.logprobs
+        for s, a in zip(spec.logprobs, ar.logprobs):
+            assert s.logprob == pytest.approx(a.logprob, abs=1e-5)
+            assert [t for t, _ in s.top] == [t for t, _ in a.top] and len(s.top) == 3
+            assert s.top[0] == (s.token_id, s.logprob)
+            assert all(x >= y for (_, x), (_, y) in zip(s.top, s.top[1:])) and s.logprob <= 0
+    assert accepted > 0, "no draft was accepted: the test did not exercise speculation"
+    chunks, plain = _stream(char_llm, "abcabc", max_new_tokens=8)
+    assert plain.logprobs is None and all(c.logprobs is None for c in chunks)
+    _, none_top = _stream(char_llm, "abcabc", max_new_tokens=8, logprobs=0)
+    assert len(none_top.logprobs) == 8 and all(e.top == [] for e in none_top.logprobs)
+    for bad in (-1, 21, True, 1.5):
+        with pytest.raises(QuasarError, match="logprobs"):
+            char_llm.check_options(logprobs=bad)
+
+
 def test_chat_template_and_eos(chat_llm):
     ids = chat_llm.encode("hi")
     assert chat_llm.tokenizer.decode(ids, skip_special_tokens=False).startswith("<|im_start|>system")

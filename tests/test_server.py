@@ -211,7 +211,7 @@ def test_malformed_and_wrongly_typed_requests(main):
     c = client(main)
     for kwargs, param in [(dict(max_tokens="many"), "max_tokens"), (dict(temperature="hot"), "temperature"),
                           (dict(temperature=5), "temperature"), (dict(stream="yes"), "stream"),
-                          (dict(stop=[1, 2]), "stop"), (dict(n=2), "n"),
+                          (dict(stop=[1, 2]), "stop"), (dict(n=0), "n"),
                           (dict(extra_body={"num_draft": "five"}), "num_draft"),
                           (dict(extra_body={"verifier": "nope"}), "verifier"),
                           (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
@@ -364,7 +364,7 @@ def test_metrics_are_prometheus_text(main):
     assert re.search(r'^quasar_acceptance_length_bucket\{drafter="ngram",verifier="fp",le="\+Inf"\} [1-9]',
                      text, re.M)
     assert re.search(r'^quasar_request_duration_seconds_count\{endpoint="/v1/chat/completions"\} [1-9]', text, re.M)
-    for name in ("quasar_completion_tokens_total", "quasar_prompt_tokens_total", "quasar_queue_depth",
+    for name in ("quasar_completion_tokens_total", "quasar_prompt_tokens_total", "quasar_requests_waiting",
                  "quasar_requests_cancelled_total", "quasar_time_to_first_token_seconds_count"):
         assert re.search(rf"^{name} ", text, re.M), name
 
@@ -389,7 +389,8 @@ def test_quasar_serve_command(llm, tmp_path):
                 return False
         assert wait_for(lambda: up() or proc.poll() is not None, 60) and proc.poll() is None, proc.stdout.read()
         server = type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port})
-        resp = client(server).chat.completions.create(model="x", messages=USER, max_tokens=3, temperature=0)
+        resp = client(server).chat.completions.create(model=model_dir.name, messages=USER, max_tokens=3,
+                                                      temperature=0)
         assert resp.usage.completion_tokens == 3 and resp.model_extra["quasar"]["drafter"] == "ngram"
         assert json.loads(raw(server, "GET", "/health")[2])["max_context"] == 256
     finally:

@@ -12,6 +12,7 @@ import torch
 from quasar.errors import QuasarError
 from quasar.speculative.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling
 from quasar.speculative.drafters import NgramDrafter, NoDrafter, make_drafter
+from quasar.speculative.logprobs import token_logprobs
 from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits, sample
 
 
@@ -476,3 +477,23 @@ def test_adaptive_middle_rate_and_validation():
         AdaptiveDraftLength(k_min=3, k_max=2, start=3)
     with pytest.raises(ValueError):
         ad.update(2, 3)
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_token_logprobs_rank_ties_by_token_id():
+    """Each row scores its token; alternatives are the best `top_n`, equal values by id (so a
+    greedy token, the first argmax, always ranks first), whatever order topk finds them in."""
+    rows = torch.zeros(3, 50)
+    rows[0, [9, 4, 30]] = 5.0  # a three-way tie at the top
+    rows[1, 7] = 3.0
+    out = token_logprobs(rows, [4, 7, 0], top_n=2)
+    logp = torch.log_softmax(rows, dim=-1)
+    assert [e.token_id for e in out] == [4, 7, 0]
+    assert [e.logprob for e in out] == [logp[0, 4].item(), logp[1, 7].item(), logp[2, 0].item()]
+    assert [t for t, _ in out[0].top] == [4, 9] and out[0].top[0][1] == out[0].logprob
+    assert [t for t, _ in out[1].top] == [7, 0]
+    assert [t for t, _ in out[2].top] == [0, 1]  # a flat row: the lowest ids
+    assert [e.top for e in token_logprobs(rows, [4, 7, 0], top_n=0)] == [[], [], []]
+    assert token_logprobs(rows[:0], [], top_n=5) == []

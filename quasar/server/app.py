@@ -8,8 +8,10 @@ an error the scheduler finds (an unavailable verifier, say) still gets a proper 
 even for a streamed request. A client that goes away, while waiting or mid-stream, sets
 the job's cancel flag; the scheduler stops within one verifier step.
 
-Every response carries a `quasar` object (drafter, verifier, verifier steps, mean
-acceptance length, tokens/s, ...); every streamed chunk carries
+A request for `n` choices is one scheduler job that decodes them one after another; its
+chunks arrive choice by choice, each with its `index`. Every response carries a `quasar`
+object (drafter, verifier, verifier steps, mean acceptance length, tokens/s, ..., summed
+over the choices; a streamed choice's final chunk has its own); every streamed chunk carries
 `quasar: {"pieces": [[text, from_draft], ...], "tokens", "steps", "accepted"}`, the
 last three cumulative, which is what the playground highlights and counts.
 """
@@ -35,9 +37,10 @@ from quasar.defaults import DEFAULT_ADAPTIVE, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_M
 from quasar.errors import QuasarError
 from quasar.server.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 from quasar.server.metrics import CONTENT_TYPE, ServerMetrics
-from quasar.server.openai_schema import (ApiError, GenRequest, completion_response, error_body, new_id, now,
+from quasar.server.logprobs import ChoiceLogprobs, token_texts
+from quasar.server.openai_schema import (ApiError, GenRequest, choice, completion_response, error_body, new_id, now,
                                          parse_chat, parse_completion, parse_json_body, sse, stream_chunk, usage)
-from quasar.speculative.generate import Chunk, Result
+from quasar.speculative.generate import Chunk, Result, Stats
 
 log = logging.getLogger("quasar.server")
 
@@ -143,6 +146,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
                     ngram_max=ngram_max, adaptive=adaptive)
     created_at = now()
     html = _playground_html()
+    text_of = token_texts(llm.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -217,11 +221,16 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
         check_auth(request)
         return {"object": "list", "data": [model_card()]}
 
+    def check_model(model_id: str | None) -> None:
+        """The one model this server knows is the id `/v1/models` lists; a request may also omit it."""
+        if model_id is not None and model_id != served:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{served}'.",
+                           param="model", code="model_not_found")
+
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         check_auth(request)
-        if model_id != served:
-            raise ApiError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+        check_model(model_id)
         return model_card()
 
     # ------------------------------------------------------------------ generation
@@ -253,7 +262,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
                                param="max_tokens", code="context_length_exceeded")
         opts = {k: (getattr(req, k) if getattr(req, k) is not None else v) for k, v in defaults.items()}
         opts.update(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    seed=req.seed, stop=req.stop)
+                    seed=req.seed, stop=req.stop, logprobs=req.logprobs)
         try:
             llm.check_options(**opts)
         except QuasarError as e:
@@ -282,20 +291,24 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
             return ApiError(503, str(exc), "server_error", code="shutting_down")
         return ApiError(500, "The server had an error while generating this reply.", "server_error")
 
-    def quasar_stats(opts: dict, result: Result, job: Job) -> dict:
+    def quasar_stats(opts: dict, stats: Stats, job: Job) -> dict:
         return {"drafter": opts["drafter"], "verifier": opts["verifier"],
                 "num_draft": opts["num_draft"] if opts["drafter"] != "none" else 0,
-                **result.stats.as_dict(), "queue_s": round(job.queue_s, 4)}
+                **stats.as_dict(), "queue_s": round(job.queue_s, 4)}
+
+    def choice_logprobs(req: GenRequest) -> list[ChoiceLogprobs] | None:
+        return None if req.logprobs is None else [ChoiceLogprobs(req.kind, text_of) for _ in range(req.n)]
 
     async def generate(request: Request, kind: str):
         arrived = time.perf_counter()
         check_auth(request)
         body = await read_body(request)
         req = parse_chat(body) if kind == "chat" else parse_completion(body, llm.tokenizer.vocab_size)
+        check_model(req.model)
         prompt_ids = await encode(req)
         opts = decode_options(req, len(prompt_ids))
         events = _JobEvents(asyncio.get_running_loop())
-        job = Job(prompt_ids, opts, events.sink, created=arrived)
+        job = Job(prompt_ids, opts, events.sink, n=req.n, created=arrived)
         events.job = job
         try:
             scheduler.submit(job)
@@ -315,15 +328,14 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
             raise scheduler_error(first[1])
         if first[0] == "cancelled":
             return Response(status_code=499)
-        rid, created, model = new_id(kind), now(), req.model or served
+        rid, created = new_id(kind), now()
         if req.stream:
-            return _JobStream(stream_events(req, opts, job, events, first, rid, created, model), events,
+            return _JobStream(stream_events(req, opts, job, events, first, rid, created), events,
                               media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text_parts, event = [], first
+        event = first
         try:
-            while event[0] == "chunk":
-                text_parts.append(event[1].text)
+            while event[0] in ("chunk", "choice"):  # the result holds all of it
                 event = await events.next(request)
         except _ClientGone:
             return Response(status_code=499)
@@ -334,34 +346,49 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
             raise scheduler_error(event[1])
         if event[0] == "cancelled":
             return Response(status_code=499)
-        result: Result = event[1]
-        return completion_response(req, rid, created, model, result.text, result.finish_reason,
-                                   usage(len(prompt_ids), result.stats.new_tokens), quasar_stats(opts, result, job))
+        results: list[Result] = event[1]
+        logprobs = choice_logprobs(req)
+        choices = [choice(req, i, r.text, r.finish_reason,
+                          None if logprobs is None else logprobs[i].format(r.logprobs))
+                   for i, r in enumerate(results)]
+        return completion_response(req, rid, created, served, choices,
+                                   usage(len(prompt_ids), sum(r.stats.new_tokens for r in results)),
+                                   quasar_stats(opts, Stats.combined([r.stats for r in results]), job))
 
     async def stream_events(req: GenRequest, opts: dict, job: Job, events: _JobEvents, first, rid: str,
-                            created: int, model: str):
-        tokens = steps = accepted = 0
+                            created: int):
+        progress: dict[int, list[int]] = {}  # choice -> [tokens, steps, accepted drafts], for the playground
+        logprobs = choice_logprobs(req)
         try:
             if req.kind == "chat":
-                yield sse(stream_chunk(req, rid, created, model, text="", role=True))
+                for i in range(req.n):
+                    yield sse(stream_chunk(req, rid, created, served, index=i, text="", role=True))
             event = first
-            while event[0] == "chunk":
-                chunk: Chunk = event[1]
-                tokens += len(chunk.token_ids)
-                steps += 1
-                accepted += sum(1 for _, from_draft in chunk.pieces if from_draft)
-                if chunk.pieces:
-                    q = {"pieces": [[t, d] for t, d in chunk.pieces], "tokens": tokens, "steps": steps,
-                         "accepted": accepted}
-                    yield sse(stream_chunk(req, rid, created, model, text=chunk.text, quasar=q))
+            while event[0] in ("chunk", "choice"):
+                index, item = event[1]
+                if event[0] == "chunk":
+                    chunk: Chunk = item
+                    p = progress.setdefault(index, [0, 0, 0])
+                    p[0] += len(chunk.token_ids)
+                    p[1] += 1
+                    p[2] += sum(1 for _, from_draft in chunk.pieces if from_draft)
+                    if chunk.pieces or chunk.logprobs:  # text held back before a stop string still has logprobs
+                        q = {"pieces": [[t, d] for t, d in chunk.pieces], "tokens": p[0], "steps": p[1],
+                             "accepted": p[2]}
+                        yield sse(stream_chunk(req, rid, created, served, index=index, text=chunk.text, quasar=q,
+                                               logprobs=None if logprobs is None
+                                               else logprobs[index].format(chunk.logprobs)))
+                else:
+                    result: Result = item
+                    yield sse(stream_chunk(req, rid, created, served, index=index,
+                                           text=None if req.kind == "chat" else "", finish_reason=result.finish_reason,
+                                           quasar=quasar_stats(opts, result.stats, job)))
                 event = await events.next(None)
             if event[0] == "result":
-                result: Result = event[1]
-                yield sse(stream_chunk(req, rid, created, model, text=None if req.kind == "chat" else "",
-                                       finish_reason=result.finish_reason, quasar=quasar_stats(opts, result, job)))
                 if req.include_usage:
-                    yield sse(stream_chunk(req, rid, created, model, no_choices=True,
-                                           use=usage(len(job.prompt_ids), result.stats.new_tokens)))
+                    tokens = sum(r.stats.new_tokens for r in event[1])
+                    yield sse(stream_chunk(req, rid, created, served, no_choices=True,
+                                           use=usage(len(job.prompt_ids), tokens)))
             elif event[0] == "error":
                 yield sse(scheduler_error(event[1]).body())
             yield sse("[DONE]")

@@ -34,7 +34,9 @@ def register(sub) -> None:
                                                                    "or the model's, whichever is smaller)")
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="completion length when a request sets no max_tokens (capped by the context)")
-    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id reported by /v1/models, and the one a request may name (default: the model's "
+                        "file or directory name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 

@@ -188,8 +188,9 @@ class ServerMetrics:
         self.tokens_per_s = Histogram(r, "quasar_generation_tokens_per_second",
                                       "Decode speed of each finished generation",
                                       (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
-        self.queue_depth = Gauge(r, "quasar_queue_depth", "Requests waiting for the engine")
-        self.running = Gauge(r, "quasar_requests_running", "Requests being decoded (0 or 1)")
+        self.waiting = Gauge(r, "quasar_requests_waiting", "Requests queued for the engine")
+        self.running = Gauge(r, "quasar_requests_running", "Requests being decoded (0 or 1: one at a time)")
+        self.batch_size = Gauge(r, "quasar_batch_size", "Sequences in the engine's verifier step (0 idle, 1 decoding)")
 
     def render(self) -> str:
         return self.registry.render()

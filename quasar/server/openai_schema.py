@@ -3,8 +3,8 @@
 Requests are checked by hand so every error names the offending field (`param`) the way
 OpenAI does, and comes back as `{"error": {"message", "type", "param", "code"}}` with
 status 400. Unknown fields are ignored (clients send many); known fields of the wrong
-type, and features this server does not implement (n > 1, logprobs, tools, ...), are
-rejected rather than silently dropped. Quasar's own fields (`drafter`, `verifier`,
+type, and features this server does not implement (tools, penalties, ...), are rejected
+rather than silently dropped. Quasar's own fields (`drafter`, `verifier`,
 `num_draft`, `ngram_min`, `ngram_max`, `adaptive`, `top_k`) are accepted as extras.
 """
 
@@ -17,7 +17,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from quasar.speculative.logprobs import MAX_TOP_LOGPROBS
+
 MAX_STOP = 16
+MAX_N = 16  # choices per request; decoded one after another, so each costs a full generation
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
+# Deepest nesting a request body may have. Real requests need about 6 levels (messages ->
+# message -> content parts -> part); the bound keeps everything that walks a body (json's
+# own parser, error messages that re-serialise a value) far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -43,6 +51,8 @@ def parse_json_body(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400 ApiError."""
     try:
         body = json.loads(raw)
+    except RecursionError:  # deeper than the interpreter's recursion limit
+        raise _too_deep() from None
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"We could not parse the JSON body of your request ({e}). The body must be "
                             "a JSON object, sent with Content-Type: application/json.",
@@ -50,7 +60,26 @@ def parse_json_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {_type_name(body)}.",
                        code="invalid_json")
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     return body
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"The JSON body of your request is nested more than {MAX_JSON_DEPTH} levels deep.",
+                    code="invalid_json")
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` nests arrays/objects more than `limit` levels deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def _type_name(v: Any) -> str:
@@ -163,6 +192,8 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: off; N: each token's logprob and N alternatives
     # Quasar extras; None = the server's default
     drafter: str | None = None
     verifier: str | None = None
@@ -203,9 +234,8 @@ def _common(f: _Fields, req: GenRequest) -> GenRequest:
         if include is not None and not isinstance(include, bool):
             raise _invalid_type("stream_options.include_usage", "a boolean", include)
         req.include_usage = bool(include)
-    f.integer("n", 1, 1)
-    f.unsupported("n", lambda v: v == 1)
-    f.unsupported("best_of", lambda v: v == 1)
+    req.n = f.integer("n", 1, 1, MAX_N)
+    f.unsupported("best_of", lambda v: v == req.n)  # choosing the best of more than n is not implemented
     for name in ("presence_penalty", "frequency_penalty"):
         f.number(name, 0.0, -2.0, 2.0)
         f.unsupported(name, lambda v: v == 0)
@@ -264,8 +294,11 @@ def parse_chat(body: dict) -> GenRequest:
     req.max_tokens = f.integer("max_completion_tokens", None, 1)
     if req.max_tokens is None:
         req.max_tokens = f.integer("max_tokens", None, 1)
-    f.unsupported("logprobs", lambda v: v is False)
-    f.unsupported("top_logprobs", lambda v: v == 0)
+    top = f.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if f.boolean("logprobs", False):
+        req.logprobs = top or 0
+    elif top is not None:
+        raise _invalid_value("top_logprobs", "'logprobs' must be true when 'top_logprobs' is set.")
     f.unsupported("tools", lambda v: v == [])
     f.unsupported("functions", lambda v: v == [])
     f.unsupported("tool_choice", lambda v: v == "none")
@@ -298,7 +331,7 @@ def parse_completion(body: dict, vocab_size: int) -> GenRequest:
         raise _invalid_type("prompt", "a string, an array of token ids, or an array with one of those", prompt)
     req.max_tokens = f.integer("max_tokens", None, 1)
     f.unsupported("echo", lambda v: v is False)
-    f.unsupported("logprobs", lambda v: v == 0)
+    req.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     f.unsupported("suffix", lambda v: v == "")
     return _common(f, req)
 
@@ -318,32 +351,34 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(req: GenRequest, rid: str, created: int, model: str, text: str, finish_reason: str,
-                        use: dict, quasar: dict) -> dict:
+def choice(req: GenRequest, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    """One choice of a complete (not streamed) response."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(req: GenRequest, rid: str, created: int, model: str, choices: list[dict], use: dict,
+                        quasar: dict) -> dict:
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": "quasar",
-            "choices": [choice], "usage": use, "quasar": quasar}
+            "choices": choices, "usage": use, "quasar": quasar}
 
 
-def stream_chunk(req: GenRequest, rid: str, created: int, model: str, *, text: str | None = None,
-                 role: bool = False, finish_reason: str | None = None, quasar: dict | None = None,
-                 use: dict | None = None, no_choices: bool = False) -> dict:
+def stream_chunk(req: GenRequest, rid: str, created: int, model: str, *, index: int = 0, text: str | None = None,
+                 role: bool = False, finish_reason: str | None = None, logprobs: dict | None = None,
+                 quasar: dict | None = None, use: dict | None = None, no_choices: bool = False) -> dict:
     if req.kind == "chat":
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     chunk = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": "quasar",
              "choices": [] if no_choices else [choice]}

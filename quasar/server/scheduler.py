@@ -4,12 +4,15 @@ An `LLM` decodes one request at a time, so the server never runs two generations
 requests wait in a FIFO queue of at most `max_queue` entries (beyond the one being
 decoded) and a request that finds it full is refused at once (`QueueFull`, HTTP 429).
 
-Each job reports back through `on_event(kind, payload)`, called from the worker thread:
-`("chunk", Chunk)` per verifier step, then exactly one of `("result", Result)`,
-`("error", Exception)` or `("cancelled", None)`. A job's `cancel` event is checked between
-verifier steps (and before a queued job starts), so a client that goes away stops its
-generation within one step. Any failure is confined to its own job: the worker catches
-everything, reports it, and goes on with the next request.
+A job asks for `n` independent choices of one prompt (OpenAI's `n`), decoded one after
+another; choice i samples with seed + i when the request has a seed, so every choice is
+reproducible and greedy choices are identical. Each job reports back through
+`on_event(kind, payload)`, called from the worker thread: `("chunk", (i, Chunk))` per
+verifier step and `("choice", (i, Result))` as choice i ends, then exactly one of
+`("result", [Result per choice])`, `("error", Exception)` or `("cancelled", None)`. A job's
+`cancel` event is checked between verifier steps (and before a queued job starts), so a
+client that goes away stops its generation within one step. Any failure is confined to
+its own job: the worker catches everything, reports it, and goes on with the next request.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Job:
     prompt_ids: list[int]
     options: dict  # keyword arguments for LLM.stream (besides prompt_ids)
     on_event: EventSink
+    n: int = 1  # independent choices of the same prompt
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     cancel: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
@@ -52,8 +56,6 @@ class Job:
     first_token: float | None = None
     finished: float | None = None
     outcome: str | None = None  # "result" | "error" | "cancelled"
-    steps_seen: int = 0
-    tokens_seen: int = 0
 
     @property
     def queue_s(self) -> float:
@@ -88,7 +90,7 @@ class Scheduler:
             if self.current is not None:
                 self.current.cancel.set()
             self._cond.notify_all()
-        self.metrics.queue_depth.set(0)
+        self.metrics.waiting.set(0)
         for job in pending:
             self._emit(job, "error", SchedulerClosed("the server is shutting down"))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -121,7 +123,7 @@ class Scheduler:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._pending.append(job)
-            self.metrics.queue_depth.set(len(self._pending))
+            self.metrics.waiting.set(len(self._pending))
             self._cond.notify_all()
         return job
 
@@ -134,7 +136,7 @@ class Scheduler:
                 if self._closed:
                     return
                 job = self._pending.popleft()
-                self.metrics.queue_depth.set(len(self._pending))
+                self.metrics.waiting.set(len(self._pending))
                 self.current = job
             try:
                 self._run(job)
@@ -161,34 +163,18 @@ class Scheduler:
             m.cancelled.inc()
             self._emit(job, "cancelled", None)
             return
-        drafter = job.options.get("drafter") or self.llm.drafter
-        verifier = job.options.get("verifier") or self.llm.verifier
-        labels = {"drafter": drafter, "verifier": verifier}
         m.running.set(1)
+        m.batch_size.set(1)  # one sequence per verifier step until the engine batches
         m.prompt_tokens.inc(len(job.prompt_ids))
-        stream = None
         try:
-            stream = self.llm.stream(prompt_ids=job.prompt_ids, **job.options)
-            for item in stream:
-                if isinstance(item, Result):
-                    self._record_result(item, labels)
-                    self._emit(job, "result", item)
+            results = []
+            for index in range(job.n):
+                result = self._decode_choice(job, index)
+                if result is None:
                     return
-                assert isinstance(item, Chunk)
-                job.steps_seen += 1
-                job.tokens_seen += len(item.token_ids)
-                if job.first_token is None and item.token_ids:
-                    job.first_token = time.perf_counter()
-                    m.ttft.observe(job.first_token - job.created)
-                self._emit(job, "chunk", item)
-                if job.cancel.is_set():
-                    stream.close()  # releases the LLM's lock
-                    m.cancelled.inc()
-                    m.steps.inc(job.steps_seen, **labels)
-                    m.completion_tokens.inc(job.tokens_seen)
-                    self._emit(job, "cancelled", None)
-                    return
-            raise RuntimeError("the decoder ended without a result")
+                results.append(result)
+                self._emit(job, "choice", (index, result))
+            self._emit(job, "result", results)
         except QuasarError as e:
             m.engine_errors.inc(kind="invalid_request")
             self._emit(job, "error", e)
@@ -197,9 +183,39 @@ class Scheduler:
             m.engine_errors.inc(kind="internal")
             self._emit(job, "error", e)
         finally:
-            if stream is not None:
-                stream.close()
             m.running.set(0)
+            m.batch_size.set(0)
+
+    def _decode_choice(self, job: Job, index: int) -> Result | None:
+        """Decode choice `index` of `job`, streaming its chunks; None when the client left
+        (reported as "cancelled"). Errors propagate to `_run`."""
+        m = self.metrics
+        drafter = job.options.get("drafter") or self.llm.drafter
+        verifier = job.options.get("verifier") or self.llm.verifier
+        labels = {"drafter": drafter, "verifier": verifier}
+        steps = tokens = 0
+        stream = self.llm.stream(prompt_ids=job.prompt_ids, **choice_options(job.options, index))
+        try:
+            for item in stream:
+                if isinstance(item, Result):
+                    self._record_result(item, labels)
+                    return item
+                assert isinstance(item, Chunk)
+                steps += 1
+                tokens += len(item.token_ids)
+                if job.first_token is None and item.token_ids:
+                    job.first_token = time.perf_counter()
+                    m.ttft.observe(job.first_token - job.created)
+                self._emit(job, "chunk", (index, item))
+                if job.cancel.is_set():
+                    m.cancelled.inc()
+                    m.steps.inc(steps, **labels)
+                    m.completion_tokens.inc(tokens)
+                    self._emit(job, "cancelled", None)
+                    return None
+            raise RuntimeError("the decoder ended without a result")
+        finally:
+            stream.close()  # releases the LLM's lock however the choice ends
 
     def _record_result(self, result: Result, labels: dict) -> None:
         m, s = self.metrics, result.stats
@@ -211,3 +227,9 @@ class Scheduler:
             m.acceptance.observe(int(emitted), count=n, **labels)
         if s.new_tokens:
             m.tokens_per_s.observe(s.tokens_per_s)
+
+
+def choice_options(options: dict, index: int) -> dict:
+    """LLM.stream options for choice `index`: a seeded request samples choice i with seed + i."""
+    seed = options.get("seed")
+    return options if index == 0 or seed is None else {**options, "seed": seed + index}

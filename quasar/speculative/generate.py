@@ -23,6 +23,7 @@ from quasar.models.tokenizer import StreamDecoder, Tokenizer
 from quasar.speculative.acceptance import (AdaptiveDraftLength, accept_greedy_tree, accept_sampling,
                                           accept_sampling_tree)
 from quasar.speculative.drafters import Drafter, DraftTree
+from quasar.speculative.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits
 
 
@@ -33,6 +34,7 @@ class DecodeOptions:
     stop: list[str] = field(default_factory=list)
     num_draft: int = DEFAULT_NUM_DRAFT
     adaptive: bool = False  # choose k per step from recent acceptance
+    logprobs: int | None = None  # None: off; N: each output token's logprob and its row's N best alternatives
 
     def validate(self) -> "DecodeOptions":
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -41,6 +43,10 @@ class DecodeOptions:
             raise QuasarError(f"num_draft must be an integer in [0, 64], got {self.num_draft!r}", param="num_draft")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise QuasarError("stop strings must be non-empty strings", param="stop")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise QuasarError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}",
+                              param="logprobs")
         self.sampling.validate()
         return self
 
@@ -57,6 +63,16 @@ class Stats:
     decode_s: float = 0.0
     wall_s: float = 0.0
     accepted_hist: Counter = field(default_factory=Counter)  # tokens emitted per step -> steps
+
+    @classmethod
+    def combined(cls, parts: list["Stats"]) -> "Stats":
+        """The stats of several decodes of one prompt, one after another (the prompt counted once)."""
+        total = cls(prompt_tokens=parts[0].prompt_tokens)
+        for p in parts:
+            for name in ("new_tokens", "steps", "emitted", "drafted", "accepted", "prefill_s", "decode_s", "wall_s"):
+                setattr(total, name, getattr(total, name) + getattr(p, name))
+            total.accepted_hist.update(p.accepted_hist)
+        return total
 
     @property
     def mean_accepted(self) -> float:
@@ -90,6 +106,7 @@ class Chunk:
 
     pieces: list[tuple[str, bool]]  # (text, came from an accepted draft)
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
     @property
     def text(self) -> str:
@@ -102,6 +119,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string), "length" (max tokens or context end)
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
 
 class _Output:
@@ -186,6 +204,7 @@ class Sequence:
         self.adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1)) \
             if opts.adaptive and opts.num_draft > 0 else None
         self.out = _Output(tokenizer, opts)
+        self.logprobs: list[TokenLogprob] | None = [] if opts.logprobs is not None else None
         drafter.reset(self.prompt_ids)
         self.pending = self.prompt_ids[-1]  # the last token, not yet in the cache
         self.tree: DraftTree | None = None  # the draft of the step in flight
@@ -250,18 +269,23 @@ class Sequence:
             if self.out.finish is not None:
                 break
         kept_ids = self.out.ids[n_before:]  # an EOS and tokens past a stop are not output
+        kept_rows = [0, *(i + 1 for i in path)]  # also the rows that emitted `emitted`, in order
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = token_logprobs(logits[kept_rows[:len(kept_ids)]], kept_ids, self.opts.logprobs)
+            self.logprobs += logprobs
         self.drafter.extend(emitted)
         self.pending = emitted[-1]
         self.tree = None
-        chunk = Chunk(pieces, kept_ids) if pieces or kept_ids else None
-        return [0, *(i + 1 for i in path)], chunk
+        chunk = Chunk(pieces, kept_ids, logprobs) if pieces or kept_ids else None
+        return kept_rows, chunk
 
     def result(self) -> Result:
         stats = self.stats
         stats.new_tokens = len(self.out.ids)
         stats.wall_s = time.perf_counter() - self.t0
         stats.decode_s = stats.wall_s - stats.prefill_s
-        return Result(self.out.final_text, list(self.out.ids), self.out.finish, stats)
+        return Result(self.out.final_text, list(self.out.ids), self.out.finish, stats, self.logprobs)
 
 
 def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], drafter: Drafter,
