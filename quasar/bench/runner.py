@@ -366,7 +366,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     gguf_path, why_no_gguf = _gguf_source(cfg)
     n_ctx = max(len(p.ids) for p in prompts) + cfg.max_new_tokens + 64
     candidates: list[Contender] = [QuasarMode(m, llm, cfg) for m in cfg.modes]
-    candidates += make_peers(cfg.peers, model_dir=llm.loaded.model_dir, dtype=llm.model.model.norm.weight.dtype,
+    candidates += make_peers(cfg.peers, model_dir=llm.loaded.model_dir, dtype=llm.loaded.dtype,
                              gguf_path=gguf_path, why_no_gguf=why_no_gguf, threads=threads, n_ctx=n_ctx,
                              eos_ids=set(llm.tokenizer.eos_ids))
     engines, unavailable = [], {}
