@@ -25,7 +25,7 @@ def test_gguf_converts_once_into_cache(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     shutil.copy(default_model_path(), gguf)
     first = resolve_model_dir(gguf)
-    assert (first / "config.json").is_file() and (first / "model.safetensors").is_file()
+    assert (first / "config.json").is_file() and (first / "model.safetensors.index.json").is_file()
     assert (first / "tokenizer.json").is_file()
     assert not list(first.parent.glob(".tmp-*")), "temporary conversion directory left behind"
 
