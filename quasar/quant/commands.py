@@ -128,6 +128,7 @@ def run_quantize(args) -> int:
     from quasar.models.loader import load_model
     from quasar.quant.checkpoint import save_checkpoint
     from quasar.quant.quantize import build_w8a8, is_quantized
+    from quasar.resources import peak_rss_gb
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,7 +144,7 @@ def run_quantize(args) -> int:
           f"smooth_o_down={info['smooth_o_down']}, rotate={info['rotate']}, gptq={info['gptq']}, "
           f"down_act_bits={info['down_act_bits']}, "
           f"{_size_mb(out):.0f} MB, "
-          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+          f"{time.perf_counter() - t0:.0f} s, peak RSS {peak_rss_gb():.2f} GB", file=sys.stderr)
     return 0
 
 
