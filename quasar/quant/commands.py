@@ -127,14 +127,14 @@ def run_quantize(args) -> int:
 
     from quasar.models.loader import load_model
     from quasar.quant.checkpoint import save_checkpoint
-    from quasar.quant.quantize import build_w8a8, is_quantized
+    from quasar.quant.quantize import build_w8a8
     from quasar.resources import peak_rss_gb
 
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.dtype)
-    if is_quantized(loaded.model):
+    if loaded.quantized:
         raise QuasarError(f"{args.model} is already a W8A8 checkpoint")
     model = build_w8a8(loaded.model, loaded.tokenizer, calib_text=calib_text, calib_source=args.calib,
                        progress=not args.no_progress, **opts)
@@ -160,13 +160,12 @@ def run_export(args) -> int:
 
     from quasar.models.loader import load_model
     from quasar.quant.checkpoint import export_compressed_tensors
-    from quasar.quant.quantize import is_quantized
     from quasar.quant.verifier import w8a8_verifier
 
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, args.dtype)
-    if is_quantized(loaded.model):
+    if loaded.quantized:
         model = loaded.model
     else:
         model = w8a8_verifier(loaded, lm_head="float", progress=not args.no_progress, **opts)
