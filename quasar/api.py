@@ -1,7 +1,8 @@
 """The Python API: `LLM(model=...)` then `.generate(prompt_or_messages, **options)`.
 
-An LLM holds the float model and, built on first use, each verifier (w8a8, pruned:F);
-every verifier has its own static KV cache. One LLM decodes one request at a time.
+An LLM holds the opened model (config and tokenizer; its float weights load only when a
+verifier that needs them, fp or pruned:F, is asked for) and, built on first use, each
+verifier; every verifier has its own static KV cache. One LLM decodes one request at a time.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class LLM:
         drafter_class(drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
         self.tokenizer = self.loaded.tokenizer
-        self.config = self.loaded.model.config
+        self.config = self.loaded.config
         self.drafter, self.verifier, self.dtype = drafter, verifier, dtype
         self.max_context = min(max_context, self.config.max_position_embeddings)
         self.quant_options = quant_options or {}
@@ -74,17 +75,18 @@ class LLM:
 
     @property
     def model(self) -> Transformer:
+        """The float model (for a W8A8 checkpoint directory: that model), loaded on first use."""
         return self.loaded.model
 
     def verifier_model(self, name: str) -> Transformer:
         """The verifier `name`, built (for w8a8: quantized or loaded from the cache, its kernels
         compiled or loaded) and warmed up with one step, once."""
         if name not in self._verifiers:
-            model = build_verifier(name, self.model, self._w8a8)
+            model = build_verifier(name, lambda: self.model, self._w8a8)
             model.setup_cache(self.max_context)
             # One step now, so one-time work (loading the int8 kernels, packing weights) is
             # not timed as decoding later.
-            model(torch.zeros((1, 1), dtype=torch.long, device=self.model.model.norm.weight.device), logits="last")
+            model(torch.zeros((1, 1), dtype=torch.long, device=model.model.norm.weight.device), logits="last")
             model.cache.length = 0
             self._verifiers[name] = model
         return self._verifiers[name]

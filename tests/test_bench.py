@@ -82,9 +82,11 @@ def test_bench_end_to_end(tiny_model, tmp_path, capsys):
     # protocol is recorded
     assert res["config"]["threads"] == 1 and res["config"]["repeats"] == 2
     assert res["bandwidth"]["gb_per_s"] > 0 and len(res["bandwidth"]["samples_gb_per_s"]) >= 2
+    assert res["resources"]["peak_rss_gb"] > 0 and res["resources"]["seconds"] > 0
     assert all(len(p["engines"]["ar-fp"]["decode_s_samples"]) == 2 for p in res["prompts"])
 
     md = (out / "report.md").read_text()
+    assert f"peak RSS {res['resources']['peak_rss_gb']:.2f} GB" in md
     _check_consistent(res, _report_rows(md, "Overall"))
     for task, section in res["tasks"].items():
         _check_consistent(section, _report_rows(md, f"Task: {task}"))

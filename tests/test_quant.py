@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,7 @@ def test_quantize_cli_writes_a_loadable_checkpoint(model_dirs, tmp_path, capsys)
     assert main(["quantize", "--model", str(model_dirs["qwen3"]), "--out", str(out), "--calib", str(calib),
                  "--samples", "2", "--seq-len", "32", "--alpha", "0.6", "--no-gptq", "--down-act-bits", "8",
                  "--no-progress"]) == 0
+    assert re.search(r"\d+ s, peak RSS \d+\.\d\d GB", capsys.readouterr().err)
     info = json.loads((out / "config.json").read_text())["quantization_config"]["quasar"]
     assert info["alpha"] == 0.6 and info["calibration"]["seq_len"] == 32
     assert info["rotate"] is True and info["gptq"] is False and info["lm_head"] == "int8"

@@ -108,10 +108,15 @@ def engine_table(section: dict) -> list[str]:
     return _table(COLUMNS, rows)
 
 
+def _resources(results: dict) -> str:
+    r = results["resources"]
+    return f"{r['seconds']:.0f} s, peak RSS {r['peak_rss_gb']:.2f} GB"
+
+
 def render_report(results: dict, plots: dict[str, Path] | None = None, plots_note: str = "") -> str:
     cfg, env, band = results["config"], results["environment"], results["bandwidth"]
     L = ["# Quasar benchmark", ""]
-    L.append(f"Run {results['started']} → {results['finished']} ({results['duration_s']:.0f} s).  ")
+    L.append(f"Run {results['started']} → {results['finished']} ({_resources(results)}).  ")
     if results.get("command"):
         L.append(f"Command: `{results['command']}`")
     L += ["", "## Setup", ""]
@@ -176,7 +181,7 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
 
 def summary_text(results: dict, paths: dict[str, Path] | None = None) -> str:
     """What `quasar bench` prints without --json: the overall table and where files went."""
-    lines = [f"memory read bandwidth {results['bandwidth']['gb_per_s']:.2f} GB/s, "
+    lines = [f"{_resources(results)}; memory read bandwidth {results['bandwidth']['gb_per_s']:.2f} GB/s, "
              f"{results['config']['threads']} threads, {results['config']['prompts']} prompts, "
              f"median of {results['config']['repeats']}", ""]
     lines += engine_table(results)

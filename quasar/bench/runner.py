@@ -38,8 +38,9 @@ from quasar.bench import bandwidth as bw
 from quasar.bench.peers import PEERS, Contender, RunResult, Unavailable, make_peers
 from quasar.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
+from quasar.resources import peak_rss_gb
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: duration_s became resources.seconds, beside resources.peak_rss_gb
 BASELINE = "ar-fp"
 # mode -> (drafter, verifier)
 MODES: dict[str, tuple[str, str]] = {
@@ -366,7 +367,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     gguf_path, why_no_gguf = _gguf_source(cfg)
     n_ctx = max(len(p.ids) for p in prompts) + cfg.max_new_tokens + 64
     candidates: list[Contender] = [QuasarMode(m, llm, cfg) for m in cfg.modes]
-    candidates += make_peers(cfg.peers, model_dir=llm.loaded.model_dir, dtype=llm.model.model.norm.weight.dtype,
+    candidates += make_peers(cfg.peers, model_dir=llm.loaded.model_dir, dtype=llm.loaded.dtype,
                              gguf_path=gguf_path, why_no_gguf=why_no_gguf, threads=threads, n_ctx=n_ctx,
                              eos_ids=set(llm.tokenizer.eos_ids))
     engines, unavailable = [], {}
@@ -427,7 +428,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         "schema": SCHEMA_VERSION,
         "started": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
-        "duration_s": round((finished - started).total_seconds(), 1),
+        # the whole run in one process: the model, every verifier and in-process peer included
+        "resources": {"peak_rss_gb": round(peak_rss_gb(), 2),
+                      "seconds": round((finished - started).total_seconds(), 1)},
         "command": cfg.command,
         "config": {
             "model": cfg.model, "model_dir": str(llm.loaded.model_dir), "gguf": str(gguf_path) if gguf_path else None,

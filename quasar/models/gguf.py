@@ -1,9 +1,12 @@
 """Convert a GGUF file once into a float Hugging Face directory in the Quasar cache.
 
 The `gguf` package reads and dequantizes the tensors; transformers builds the tokenizer and
-chat template from the file's metadata. The result (config.json, model.safetensors,
-tokenizer files) is written to a temporary directory and renamed into place, keyed by the
-file's identity, so later loads skip all of this.
+chat template from the file's metadata. The result (config.json, float32 safetensors
+sharded one decoder layer per file with their index, tokenizer files) is written to a
+temporary directory and renamed into place, keyed by the file's identity, so later loads
+skip all of this. Shards are dequantized and written one at a time, so converting a large
+model needs memory for one layer, not for the whole float32 model. Entries written before
+sharding (one model.safetensors) hold the same tensors and still load.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+DEQUANT_CHUNK_VALUES = 1 << 22  # values dequantized per call (16 MB of float32)
 
 
 def cache_dir_for(path: Path) -> Path:
@@ -114,34 +118,77 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _tensors(reader, cfg: dict, path: Path) -> dict[str, torch.Tensor]:
+def _hf_name(t, path: Path) -> str | None:
+    """The Hugging Face name of GGUF tensor `t`; None for one that is rebuilt from the config."""
+    parts = t.name.split(".")
+    if parts[0] == "blk":
+        base = LAYER_NAMES.get(parts[2])
+        if base is None:
+            raise QuasarError(f"{path}: unexpected tensor {t.name}")
+        return f"model.layers.{parts[1]}.{base}.{parts[3]}"
+    if parts[0] in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    if parts[0] == "rope_freqs":  # llama3 scaling factors; rebuilt from config instead
+        return None
+    raise QuasarError(f"{path}: unexpected tensor {t.name}")
+
+
+def _shard_groups(reader, path: Path) -> list[list[tuple[str, object]]]:
+    """(HF name, GGUF tensor) pairs grouped into shards: one per decoder layer, one per
+    other tensor (embeddings, final norm, lm_head), in file order. A shard is what the
+    conversion holds in float32 at once."""
+    groups: dict[str, list[tuple[str, object]]] = {}
+    for t in reader.tensors:
+        name = _hf_name(t, path)
+        if name is not None:
+            unit = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+            groups.setdefault(unit, []).append((name, t))
+    return list(groups.values())
+
+
+def _dequantized(t, cfg: dict, path: Path) -> torch.Tensor:
+    """GGUF tensor `t` as float32 in Hugging Face layout.
+
+    Matrices are dequantized a block of rows at a time into the result: the dequantizer's
+    temporaries are a few times the size of what it is given, which for a large embedding
+    table would be gigabytes."""
     from gguf import dequantize
 
-    permute = cfg["model_type"] in ("llama", "mistral")
-    tensors = {}
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            base = LAYER_NAMES.get(parts[2])
-            if base is None:
-                raise QuasarError(f"{path}: unexpected tensor {t.name}")
-            name = f"model.layers.{parts[1]}.{base}.{parts[3]}"
-        elif parts[0] in GLOBAL_NAMES:
-            name = f"{GLOBAL_NAMES[parts[0]]}.{parts[1]}"
-        elif parts[0] == "rope_freqs":  # llama3 scaling factors; rebuilt from config instead
-            continue
+    shape = [int(d) for d in reversed(t.shape)]
+    try:
+        if len(shape) == 2 and t.data.ndim == 2:
+            w = np.empty(shape, dtype=np.float32)
+            step = max(1, DEQUANT_CHUNK_VALUES // shape[1])
+            for r in range(0, shape[0], step):
+                w[r:r + step] = dequantize(t.data[r:r + step], t.tensor_type)
         else:
-            raise QuasarError(f"{path}: unexpected tensor {t.name}")
-        try:
-            w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        except Exception as e:
-            raise QuasarError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and parts[3] == "weight":
-            heads = cfg["num_attention_heads"] if parts[2] == "attn_q" else cfg["num_key_value_heads"]
-            w = _unpermute(w, heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    return tensors
+            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+    except Exception as e:
+        raise QuasarError(f"{path}: cannot read tensor {t.name} ({type(e).__name__}: {e})") from None
+    parts = t.name.split(".")
+    if (cfg["model_type"] in ("llama", "mistral") and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k")
+            and parts[3] == "weight"):
+        heads = cfg["num_attention_heads"] if parts[2] == "attn_q" else cfg["num_key_value_heads"]
+        w = _unpermute(w, heads)
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _write_weights(reader, cfg: dict, path: Path, out: Path) -> None:
+    """Sharded float32 safetensors plus their index, dequantizing one shard at a time, so the
+    conversion never holds more than one layer (or one embedding matrix) in float."""
+    from safetensors.torch import save_file
+
+    groups = _shard_groups(reader, path)
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {name: _dequantized(t, cfg, path) for name, t in group}
+        save_file(tensors, str(out / shard), metadata={"format": "pt", "source": str(path)})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _save_tokenizer(path: Path, out: Path) -> None:
@@ -158,12 +205,9 @@ def _save_tokenizer(path: Path, out: Path) -> None:
 
 
 def _convert(path: Path, out: Path) -> None:
-    from safetensors.torch import save_file
-
     reader = _reader(path)
     names = {t.name for t in reader.tensors}
     cfg = _config(reader, path, has_output="output.weight" in names)
-    tensors = _tensors(reader, cfg, path)
     _save_tokenizer(path, out)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"source": str(path)})
+    _write_weights(reader, cfg, path, out)

@@ -1,6 +1,8 @@
 """Load a Hugging Face model directory: config.json + safetensors (single or sharded).
 
-No pickle, no `trust_remote_code`: only safetensors are read.
+No pickle, no `trust_remote_code`: only safetensors are read, memory-mapped
+(`safetensors_mmap`). Weights keep their stored dtype unless another float dtype is asked
+for; int8 weights and `*_scale` tensors are never converted.
 """
 
 from __future__ import annotations
@@ -9,12 +11,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
 from quasar.models.formats import quantized_format
 from quasar.models.llama import Transformer, rope_inv_freq
+from quasar.models.safetensors_mmap import mmap_safetensors, tensor_entries
 
 
 def read_config(model_dir: Path) -> dict:
@@ -47,18 +49,18 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise QuasarError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from quasar.models.tensors import safetensors_names
+def check_weight_files(model_dir: Path) -> None:
+    """Fail now, with a one-line QuasarError, on missing, pickle-only or damaged weight files
+    (reads their headers only)."""
+    for f in weight_files(model_dir):
+        tensor_entries(f)
 
+
+def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of `files`, memory-mapped (see `safetensors_mmap`)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        safetensors_names(f)  # a truncated file is an error here, not a SIGBUS later
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    tensors[name] = st.get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise QuasarError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+        tensors.update(mmap_safetensors(f))
     return tensors
 
 

@@ -1,27 +1,58 @@
-"""Resolve a model source (`default`, a GGUF file, a Hugging Face directory) and load it."""
+"""Resolve a model source (`default`, a GGUF file, a Hugging Face directory) and open it.
+
+Opening reads the config and the tokenizer only; the weights are loaded on first use of
+`LoadedModel.model`, so a caller that never needs them (decoding with a cached W8A8
+verifier) never pays for them.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from quasar.errors import QuasarError
-from quasar.models.hf import load_hf_dir
+from quasar.models.config import ModelConfig
+from quasar.models.hf import check_weight_files, load_hf_dir, read_config
 from quasar.models.llama import Transformer
 from quasar.models.tokenizer import Tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@dataclass
 class LoadedModel:
-    model: Transformer
-    tokenizer: Tokenizer
-    model_dir: Path  # the HF-format directory the weights came from (cache dir for GGUF)
-    source: str  # what the user asked for
+    """A model directory opened for decoding: its config and tokenizer now, its weights lazily.
+
+    `quantized` says the directory is itself a W8A8 checkpoint (config.json has a
+    quantization_config); then `model` is that quantized model, otherwise the float one.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, model_dir: Path, source: str, config: ModelConfig,
+                 dtype: torch.dtype, quantization_config: dict | None):
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir  # the HF-format directory of the weights (cache dir for GGUF)
+        self.source = source  # what the user asked for
+        self.config = config
+        self.dtype = dtype  # the float dtype asked for
+        self.quantization_config = quantization_config
+        self._model: Transformer | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization_config is not None
+
+    @property
+    def model(self) -> Transformer:
+        """The model's weights as a Transformer, loaded (memory-mapped) on first access."""
+        if self._model is None:
+            self._model = load_hf_dir(self.model_dir, self.dtype)
+        return self._model
+
+    @property
+    def float_loaded(self) -> bool:
+        """Whether the float model's weights have been loaded (never, for a quantized checkpoint)."""
+        return self._model is not None and not self.quantized
 
 
 def resolve_model_dir(source: str | Path) -> Path:
@@ -43,14 +74,18 @@ def resolve_model_dir(source: str | Path) -> Path:
 
 
 def load_model(source: str | Path = "default", dtype: str = "fp32") -> LoadedModel:
+    """Open `source`: its config, tokenizer and weight-file headers; the weights themselves
+    load on first use of `.model`."""
     if dtype not in DTYPES:
         raise QuasarError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     model_dir = resolve_model_dir(source)
-    model = load_hf_dir(model_dir, DTYPES[dtype])
+    raw = read_config(model_dir)
+    config = ModelConfig.from_hf(raw)
+    check_weight_files(model_dir)  # bad files are reported now, not at first use
     tokenizer = Tokenizer(model_dir)
-    tokenizer.add_eos_ids(model.config.eos_token_ids)
+    tokenizer.add_eos_ids(config.eos_token_ids)
     gen_cfg = model_dir / "generation_config.json"
     if gen_cfg.is_file():
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         tokenizer.add_eos_ids([eos] if isinstance(eos, int) else (eos or []))
-    return LoadedModel(model, tokenizer, model_dir, str(source))
+    return LoadedModel(tokenizer, model_dir, str(source), config, DTYPES[dtype], raw.get("quantization_config"))

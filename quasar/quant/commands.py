@@ -125,25 +125,24 @@ def run_quantize(args) -> int:
         calib_text = read_text_file(args.calib)  # missing / empty / not UTF-8: clear errors
     import torch
 
-    from quasar.models.loader import resolve_model_dir
-    from quasar.models.tokenizer import Tokenizer
+    from quasar.models.loader import load_model
     from quasar.quant.quantize import quantize_to_dir
-    from quasar.quant.verifier import is_quantized_dir
+    from quasar.resources import peak_rss_gb
 
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model_dir = resolve_model_dir(args.model)
-    if is_quantized_dir(model_dir):
+    loaded = load_model(args.model, args.dtype)  # config and tokenizer only: weights stream from disk
+    if loaded.quantized:
         raise QuasarError(f"{args.model} is already a W8A8 checkpoint")
-    config = quantize_to_dir(model_dir, Tokenizer(model_dir), out, calib_text=calib_text, calib_source=args.calib,
-                             progress=not args.no_progress, **opts)
+    config = quantize_to_dir(loaded.model_dir, loaded.tokenizer, out, calib_text=calib_text,
+                             calib_source=args.calib, progress=not args.no_progress, **opts)
     info = config["quantization_config"]["quasar"]
     print(f"wrote {out}: W8A8, alpha={info['alpha']}, lm_head={info['lm_head']}, "
           f"smooth_o_down={info['smooth_o_down']}, rotate={info['rotate']}, gptq={info['gptq']}, "
           f"down_act_bits={info['down_act_bits']}, "
           f"{_size_mb(out):.0f} MB, "
-          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+          f"{time.perf_counter() - t0:.0f} s, peak RSS {peak_rss_gb():.2f} GB", file=sys.stderr)
     return 0
 
 

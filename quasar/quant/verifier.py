@@ -65,18 +65,6 @@ def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
     return text, hashlib.sha256(text.encode()).hexdigest()
 
 
-def is_quantized_dir(model_dir: Path) -> bool:
-    """Whether a model directory is itself a quantized checkpoint (its config says so)."""
-    from quasar.models.hf import read_config
-
-    return read_config(Path(model_dir)).get("quantization_config") is not None
-
-
-def _dtype_of(loaded) -> torch.dtype:
-    dtype = getattr(loaded, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
 def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = DEFAULT_LM_HEAD,
                   smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, calib: str | Path | None = None,
                   samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, rotate: bool = DEFAULT_ROTATE,
@@ -99,7 +87,7 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     if samples < 1 or seq_len < 2:
         raise QuasarError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
     model_dir = Path(loaded.model_dir)
-    if is_quantized_dir(model_dir):
+    if loaded.quantized:
         model = loaded.model
         if backend != "auto":
             set_backend(model, backend)
@@ -107,7 +95,7 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     if progress is None:
         progress = sys.stderr.isatty()
     text, digest = _calib_text(calib)
-    dtype = _dtype_of(loaded)
+    dtype = loaded.dtype
     options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
                "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate),
                "gptq": bool(gptq), "down_act_bits": int(down_act_bits)}
@@ -130,12 +118,9 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
         except OSError as e:  # a read-only or full cache must not stop decoding
             print(f"warning: could not cache the W8A8 model in {target} ({e}); building it in memory",
                   file=sys.stderr)
-    from quasar.models.config import ModelConfig
-    from quasar.models.hf import read_config
     from quasar.models.tensors import SafetensorsSource
 
-    return build_w8a8(SafetensorsSource(model_dir), loaded.tokenizer, cfg=ModelConfig.from_hf(read_config(model_dir)),
-                      dtype=dtype, **build)
+    return build_w8a8(SafetensorsSource(model_dir), loaded.tokenizer, cfg=loaded.config, dtype=dtype, **build)
 
 
 def _load(target: Path, dtype: torch.dtype, backend: str) -> Transformer:

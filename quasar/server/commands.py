@@ -99,6 +99,9 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     llm = LLM(args.model, dtype=args.dtype, drafter=args.drafter, verifier=args.verifier,
               max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads)
+    # The weights load lazily: build the default verifier before listening, so bad weights
+    # fail here and the first request is not the one that waits for them.
+    llm.prepare(progress=sys.stderr.isatty())
     app = create_app(llm, api_key=api_key, max_queue=args.max_queue, model_name=args.served_model_name,
                      num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                      adaptive=args.adaptive, default_max_tokens=args.default_max_tokens)

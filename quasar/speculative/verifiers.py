@@ -56,12 +56,15 @@ def pruned_model(model: Transformer, fraction: float) -> Transformer:
     return pruned
 
 
-def build_verifier(name: str, model: Transformer, w8a8_factory: Callable[[], Transformer]) -> Transformer:
+def build_verifier(name: str, float_model: Callable[[], Transformer],
+                   w8a8_factory: Callable[[], Transformer]) -> Transformer:
+    """The verifier `name`; `float_model` is called only for the verifiers built from the
+    float weights (fp, pruned:F), so the W8A8 verifier never makes them load."""
     kind, frac = parse_verifier(name)
     if kind == "fp":
-        return model
+        return float_model()
     if kind == "pruned":
-        return pruned_model(model, frac)
+        return pruned_model(float_model(), frac)
     return w8a8_factory()
 
 
