@@ -19,17 +19,40 @@ _BLOCK = 128  # columns whose error feedback is applied as one matrix product
 _ROWS = 16384  # output rows done at a time: a vocabulary-sized lm_head is never copied whole
 
 
+def _upper_inverse(r: Tensor, leaf: int = 512) -> Tensor:
+    """Inverse of upper triangular matrices r [B, n, n] by 2x2 blocks, mostly matrix
+    products: inv([[A, B], [0, D]]) = [[inv(A), -inv(A) B inv(D)], [0, inv(D)]]. A third of
+    the work of a triangular solve against the identity."""
+    n = r.shape[-1]
+    if n <= leaf:
+        eye = torch.eye(n, dtype=r.dtype).expand_as(r)
+        return torch.linalg.solve_triangular(r, eye, upper=True)
+    k = n // 2
+    a_inv, d_inv = _upper_inverse(r[:, :k, :k], leaf), _upper_inverse(r[:, k:, k:], leaf)
+    out = torch.zeros_like(r)
+    out[:, :k, :k], out[:, k:, k:] = a_inv, d_inv
+    out[:, :k, k:] = -(a_inv @ r[:, :k, k:] @ d_inv)
+    return out
+
+
 def _inverse_cholesky(hessian: Tensor, damp: float) -> Tensor | None:
-    """Upper Cholesky factor of the damped inverse Hessian [B, in, in] (float32), or None
-    when it is not positive definite even after damping."""
-    h = hessian.detach().double().clone()
+    """The upper triangular U with U^T U = H^-1 for the damped Hessians [B, in, in]
+    (float32), or None when H is not positive definite even after damping.
+
+    GPTQ's chol(inv(H)), upper, with one factorization and one triangular inverse instead
+    of three factorizations: with J the order-reversing permutation, chol(J H J) = C gives
+    H = R R^T for the upper R = J C J, so U = R^-1. float32 as in GPTQ's reference (the
+    damping keeps it well conditioned); float64 if that fails.
+    """
+    h = hessian.detach().float().clone()
     diag = torch.diagonal(h, dim1=1, dim2=2)
     diag[diag <= 0] = 1.0  # inputs never seen: no error feedback through them
     diag += damp * diag.mean(dim=1, keepdim=True)
-    try:
-        return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    except RuntimeError:
-        return None
+    for dtype in (torch.float32, torch.float64):
+        c, info = torch.linalg.cholesky_ex(h.to(dtype).flip(1, 2))
+        if bool((info == 0).all()):
+            return _upper_inverse(c.flip(1, 2)).float()
+    return None
 
 
 def _round_rows(w: Tensor, scale: Tensor, u: Tensor, block: int) -> Tensor:
@@ -105,8 +128,8 @@ def gptq_weights(linears: dict[str, nn.Linear], owners: dict[str, str], hessians
         h = hessians[owner]
         s = scales.get(owner)
         if s is not None:
-            s = s.double()
-            h = h.double() / (s[:, None] * s[None, :])
+            s = s.float()
+            h = h / (s[:, None] * s[None, :])
         w = torch.cat([linears[n].weight.detach().float() for n in group])
         q, scale = gptq_quantize(w, h)
         start = 0
