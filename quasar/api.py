@@ -57,7 +57,7 @@ class LLM:
     `drafter` and `verifier` are the defaults for `generate`; each call may override them.
     """
 
-    def __init__(self, model: str = "default", *, dtype: str = "fp32", drafter: str = DEFAULT_DRAFTER,
+    def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str = DEFAULT_DRAFTER,
                  verifier: str = DEFAULT_VERIFIER, max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
                  quant_options: dict | None = None):
         if threads:

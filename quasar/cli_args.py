@@ -26,7 +26,9 @@ def positive_int(value: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a model directory")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="float dtype of the model")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="float dtype of the float model (default auto: as stored, bf16 stays bf16; "
+                        "the W8A8 verifier's float parts are always fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
 

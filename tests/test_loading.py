@@ -171,6 +171,7 @@ def test_bf16_source_stays_bf16_and_dtype_still_converts(tiny_char_model, capsys
     from quasar.cli import main
 
     d = _to_bf16(tiny_char_model("qwen2"))
+    assert load_model(d).dtype == torch.bfloat16  # "auto": as stored, never upcast whole
     bf16 = load_model(d, "bf16").model
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     assert len({p.untyped_storage().data_ptr() for p in bf16.parameters()}) == 1  # mapped, not converted

@@ -60,7 +60,7 @@ CUSTOM_TASK = "custom"
 @dataclass
 class BenchConfig:
     model: str = "default"
-    dtype: str = "fp32"
+    dtype: str = "auto"
     threads: int | None = None
     tasks: list[str] = field(default_factory=lambda: ["code", "summarization", "qa", "math", "chat"])
     prompts_file: str | None = None
@@ -173,7 +173,8 @@ class QuasarMode(Contender):
         from quasar.speculative.verifiers import model_bytes
 
         self.bytes_per_step = model_bytes(model)
-        self.weights = f"{self.llm.loaded.model_dir} ({self.verifier}, {self.llm.dtype})"
+        dtype = str(self.llm.loaded.dtype).removeprefix("torch.")
+        self.weights = f"{self.llm.loaded.model_dir} ({self.verifier}, {dtype})"
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         res = self.llm.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0,

@@ -18,7 +18,16 @@ from quasar.models.hf import check_weight_files, load_hf_dir, read_config
 from quasar.models.llama import Transformer
 from quasar.models.tokenizer import Tokenizer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+# "auto": the dtype the weights are stored in, so a bf16 model is never upcast whole; other
+# half-precision formats compute in float32 (this engine's float kernels are fp32 and bf16).
+_STORED = {"bfloat16": torch.bfloat16}
+
+
+def stored_dtype(raw_config: dict) -> torch.dtype:
+    """The float dtype `auto` picks for a config.json (transformers writes `torch_dtype`, v5 `dtype`)."""
+    name = raw_config.get("torch_dtype") or raw_config.get("dtype")
+    return _STORED.get(str(name), torch.float32)
 
 
 class LoadedModel:
@@ -73,7 +82,7 @@ def resolve_model_dir(source: str | Path) -> Path:
     return path
 
 
-def load_model(source: str | Path = "default", dtype: str = "fp32") -> LoadedModel:
+def load_model(source: str | Path = "default", dtype: str = "auto") -> LoadedModel:
     """Open `source`: its config, tokenizer and weight-file headers; the weights themselves
     load on first use of `.model`."""
     if dtype not in DTYPES:
@@ -88,4 +97,5 @@ def load_model(source: str | Path = "default", dtype: str = "fp32") -> LoadedMod
     if gen_cfg.is_file():
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         tokenizer.add_eos_ids([eos] if isinstance(eos, int) else (eos or []))
-    return LoadedModel(tokenizer, model_dir, str(source), config, DTYPES[dtype], raw.get("quantization_config"))
+    torch_dtype = DTYPES[dtype] or stored_dtype(raw)
+    return LoadedModel(tokenizer, model_dir, str(source), config, torch_dtype, raw.get("quantization_config"))

@@ -95,7 +95,9 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     if progress is None:
         progress = sys.stderr.isatty()
     text, digest = _calib_text(calib)
-    dtype = loaded.dtype
+    # The verifier's float parts (norms, embeddings, biases) are float32 whatever the float
+    # model's dtype: they are a small share of the bytes, and the fused step needs them so.
+    dtype = torch.float32
     options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
                "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate),
                "gptq": bool(gptq), "down_act_bits": int(down_act_bits)}
