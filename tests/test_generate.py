@@ -48,6 +48,29 @@ def test_greedy_speculative_equals_autoregressive(char_llm, verifier, adaptive):
     assert accepted_any, "no draft was ever accepted: the test did not exercise speculation"
 
 
+@pytest.mark.parametrize("verifier", ["fp", "w8a8"])
+def test_greedy_tree_equals_autoregressive(char_llm, verifier):
+    """Tree drafts (n-gram matches and recycled candidates, branching) change nothing in
+    greedy output, whatever the budget."""
+    accepted_any = False
+    for prompt in REPETITIVE:
+        ar = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="none", verifier=verifier)
+        for budget in (1, 5, 16, 40):
+            tree = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="tree", draft_budget=budget,
+                                     verifier=verifier)
+            assert tree.token_ids == ar.token_ids, (prompt, budget)
+            accepted_any |= tree.stats["accepted"] > 0
+    assert accepted_any, "no draft was ever accepted: the test did not exercise speculation"
+
+
+def test_tree_options_are_checked(char_llm):
+    with pytest.raises(QuasarError, match="draft_budget") as e:
+        char_llm.check_options(drafter="tree", draft_budget=0)
+    assert e.value.param == "draft_budget"
+    plan = char_llm.check_options(drafter="tree", draft_budget=7, adaptive=True)
+    assert plan.drafter_options["budget"] == 7 and plan.options.num_draft == 7 and not plan.options.adaptive
+
+
 def test_adaptive_draft_length_is_also_exact(char_llm):
     for prompt in REPETITIVE[:5]:
         ar = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="none")

@@ -5,7 +5,7 @@ OpenAI does, and comes back as `{"error": {"message", "type", "param", "code"}}`
 status 400. Unknown fields are ignored (clients send many); known fields of the wrong
 type, and features this server does not implement (n > 1, logprobs, tools, ...), are
 rejected rather than silently dropped. Quasar's own fields (`drafter`, `verifier`,
-`num_draft`, `ngram_min`, `ngram_max`, `adaptive`, `top_k`) are accepted as extras.
+`num_draft`, `ngram_min`, `ngram_max`, `adaptive`, `draft_budget`, `top_k`) are accepted as extras.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ class GenRequest:
     ngram_min: int | None = None
     ngram_max: int | None = None
     adaptive: bool | None = None
+    draft_budget: int | None = None
 
 
 def _common(f: _Fields, req: GenRequest) -> GenRequest:
@@ -218,6 +219,7 @@ def _common(f: _Fields, req: GenRequest) -> GenRequest:
     req.ngram_min = f.integer("ngram_min", None, 1, 64)
     req.ngram_max = f.integer("ngram_max", None, 1, 64)
     req.adaptive = f.boolean("adaptive")
+    req.draft_budget = f.integer("draft_budget", None, 1, 64)
     return req
 
 
