@@ -327,6 +327,11 @@ def targets(overall: dict) -> list[dict]:
                  "threshold": 2.0, "higher_is_better": True, "value": ratio(q, max(best) if best else None)})
     rows.append({"name": "quasar verifier step ÷ bandwidth floor", "target": "<= 2", "threshold": 2.0,
                  "higher_is_better": False, "value": modes.get("quasar", {}).get("step_over_floor")})
+    tree, chain = modes.get("quasar-tree", {}), modes.get("quasar", {})  # issue 15: trees against the chain
+    rows.append({"name": "quasar-tree acceptance length ÷ quasar's", "target": ">= 1.25", "threshold": 1.25,
+                 "higher_is_better": True, "value": ratio(tree.get("mean_accepted"), chain.get("mean_accepted"))})
+    rows.append({"name": "quasar-tree tokens/s ÷ quasar tokens/s", "target": ">= 1.2", "threshold": 1.2,
+                 "higher_is_better": True, "value": ratio(tree.get("tokens_per_s"), q)})
     for r in rows:
         v = r["value"]
         r["met"] = None if v is None else (v >= r["threshold"] if r["higher_is_better"] else v <= r["threshold"])
