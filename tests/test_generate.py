@@ -211,3 +211,18 @@ def test_greedy_tree_equals_autoregressive_on_the_default_model():
         assert tree.token_ids == ar.token_ids, prompt
         accepted += tree.stats["accepted"]
     assert accepted > 0
+
+
+def test_cli_generate_with_the_tree_drafter(char_llm, capsys):
+    import json
+
+    from quasar.cli import main
+
+    args = ["generate", "--model", str(char_llm.loaded.model_dir), "--raw", "--prompt", "abcabcab", "--verifier", "fp",
+            "--max-new-tokens", "12", "--json", "--drafter", "tree"]
+    assert main([*args, "--draft-budget", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["drafter"] == "tree"
+    assert out["token_ids"] == char_llm.generate("abcabcab", raw=True, max_new_tokens=12, drafter="none").token_ids
+    assert main([*args, "--draft-budget", "0"]) == 2
+    assert "draft_budget must be an integer in [1, 64], got 0" in capsys.readouterr().err
