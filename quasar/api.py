@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 import quasar.quant  # noqa: F401  (registers the W8A8 checkpoint format with the model loader)
-from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_CONTEXT, DEFAULT_DRAFTER, DEFAULT_NGRAM_MAX,
-                             DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
+from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_CONTEXT, DEFAULT_DRAFT_BUDGET, DEFAULT_DRAFTER,
+                             DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
-from quasar.speculative.drafters import drafter_class, make_drafter
+from quasar.speculative.registry import drafter_class, drafter_options, make_drafter
 from quasar.speculative.generate import Chunk, DecodeOptions, Result, decode
 from quasar.speculative.sampling import SamplingParams
 from quasar.speculative.verifiers import build_verifier, parse_verifier
@@ -137,22 +137,25 @@ class LLM:
                       drafter: str | None = None, verifier: str | None = None,
                       num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
                       ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE,
-                      logprobs: int | None = None) -> DecodePlan:
+                      logprobs: int | None = None, draft_budget: int = DEFAULT_DRAFT_BUDGET) -> DecodePlan:
         """Check decoding options without decoding (a QuasarError names the bad one, in
         `param`) and resolve the drafter/verifier defaults; `stream` decodes with the result.
-        `logprobs=N` adds each output token's logprob and N alternatives to chunks and result
-        (`quasar.speculative.logprobs`)."""
+        `num_draft` and `adaptive` shape chain drafts; the tree drafter proposes up to
+        `draft_budget` nodes per step instead. `logprobs=N` adds each output token's logprob
+        and N alternatives to chunks and result (`quasar.speculative.logprobs`)."""
         drafter = drafter or self.drafter
         verifier = verifier or self.verifier
         parse_verifier(verifier)
-        drafter_options = {"n_min": ngram_min, "n_max": ngram_max} if drafter == "ngram" else {}
-        drafter_class(drafter).check_options(**drafter_options)
+        options = drafter_options(drafter, ngram_min=ngram_min, ngram_max=ngram_max, draft_budget=draft_budget)
+        drafter_class(drafter).check_options(**options)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         opts = DecodeOptions(max_new_tokens=max_new_tokens, stop=stops, num_draft=num_draft, adaptive=adaptive,
                              sampling=SamplingParams(temperature, top_k, top_p, seed), logprobs=logprobs).validate()
         if drafter == "none":
             opts.num_draft = 0
-        return DecodePlan(drafter, verifier, drafter_options, opts)
+        elif drafter == "tree":  # the step's node cap is the budget; adaptive k is a chain rule
+            opts.num_draft, opts.adaptive = draft_budget, False
+        return DecodePlan(drafter, verifier, options, opts)
 
     def stream(self, prompt: str | list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                raw: bool = False, **options) -> Iterator[Chunk | Result]:

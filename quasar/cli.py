@@ -62,7 +62,7 @@ def run_generate(args) -> int:
     options = dict(raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                    num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                   adaptive=args.adaptive)
+                   adaptive=args.adaptive, draft_budget=args.draft_budget)
     llm.check_options(**{k: v for k, v in options.items() if k != "raw"})  # before any one-time work
     # One-time work (quantizing or loading the W8A8 copy, loading its kernels) on its own
     # line, so the decode rate below is decoding only.

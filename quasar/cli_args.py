@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_DRAFTER, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
-                             DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
+from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_DRAFT_BUDGET, DEFAULT_DRAFTER, DEFAULT_NGRAM_MAX,
+                             DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
 
 
 def positive_int(value: str) -> int:
@@ -33,18 +33,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
-    """k and the n-gram lengths (the paper's k = 5, n in [1, 3] by default)."""
+    """k, the tree budget and the n-gram lengths (the paper's k = 5, n in [1, 3] by default)."""
     p.add_argument("--num-draft", type=int, default=DEFAULT_NUM_DRAFT,
                    help=f"draft tokens per step (k, default {DEFAULT_NUM_DRAFT})")
     p.add_argument("--ngram-min", type=int, default=DEFAULT_NGRAM_MIN,
                    help=f"shortest n-gram to match (default {DEFAULT_NGRAM_MIN})")
     p.add_argument("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX,
                    help=f"longest n-gram to match (default {DEFAULT_NGRAM_MAX})")
+    p.add_argument("--draft-budget", type=int, default=DEFAULT_DRAFT_BUDGET,
+                   help=f"draft tree nodes per step of --drafter tree (default {DEFAULT_DRAFT_BUDGET})")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """Drafter, verifier and draft options of generate and serve."""
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram | tree")
     p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | pruned:F")
     add_draft_args(p)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,

@@ -114,10 +114,15 @@ def test_bench_prompt_file_categories(tiny_model, tmp_path, capsys):
 
 def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
     res = _run_json(capsys, ["--model", str(tiny_model("llama")), "--tasks", "code", "--n", "1", "--repeats", "1",
-                             "--modes", "ar-fp,ar-w8a8,quasar", "--peers", "none", "--out", str(tmp_path / "o"), *FAST])
+                             "--modes", "ar-fp,ar-w8a8,quasar,quasar-tree", "--peers", "none", "--out",
+                             str(tmp_path / "o"), *FAST])
     assert res["unavailable"] == {}
     assert res["modes"]["ar-w8a8"]["mean_accepted"] == 1.0
-    assert res["modes"]["quasar"]["mean_accepted"] >= 1.0
+    assert res["modes"]["quasar"]["mean_accepted"] >= 1.0 and res["modes"]["quasar-tree"]["mean_accepted"] >= 1.0
+    assert res["config"]["draft_budget"] == 16
+    tree_l = next(t for t in res["targets"] if t["name"].startswith("quasar-tree acceptance"))
+    assert tree_l["value"] == pytest.approx(res["modes"]["quasar-tree"]["mean_accepted"]
+                                            / res["modes"]["quasar"]["mean_accepted"])
     # int8 weights: fewer bytes per step than the float model
     assert res["modes"]["ar-w8a8"]["bytes_per_step"] < res["modes"]["ar-fp"]["bytes_per_step"]
     base = res["modes"]["ar-fp"]["tokens_per_s"]

@@ -9,6 +9,7 @@ import torch
 
 from conftest import make_tiny_model
 from quasar.models.llama import Transformer
+from quasar.models.rows import Rows
 from quasar.models.loader import load_model
 from quasar.quant import ext
 from quasar.quant.checkpoint import save_checkpoint
@@ -131,3 +132,113 @@ def test_not_applicable_falls_back(models, monkeypatch):
                                rtol=0, atol=0)
     monkeypatch.undo()
     q.step_kernel._plan = None
+
+
+# ---------------------------------------------------------------- token trees
+
+def random_tree(seed: int, n: int, vocab: int) -> tuple[list[int], list[int]]:
+    """n draft nodes (tokens, parents): parents before children, some deep, some wide."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, n)]
+    return tokens, parents
+
+
+def path_of(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.insert(0, tokens[node])
+        node = parents[node]
+    return path
+
+
+def prefill(model: Transformer, ids: list[int]) -> None:
+    """All but the last token into a fresh cache (the last one is the pending token)."""
+    model.setup_cache(256)
+    model(torch.tensor([ids[:-1]]), logits="none")
+
+
+def one_token_steps(model: Transformer, ids: list[int], path: list[int]) -> torch.Tensor:
+    """The logits [len(path) + 1, vocab] of decoding the pending token and then `path` one token a step."""
+    prefill(model, ids)
+    return torch.cat([model(torch.tensor([[t]]))[0] for t in [ids[-1], *path]])
+
+
+def tree_step(model: Transformer, ids: list[int], tokens: list[int], parents: list[int]) -> tuple[torch.Tensor, Rows]:
+    prefill(model, ids)
+    rows = Rows.build([ids[-1], *tokens], [0] * (len(tokens) + 1), [-1, *(p + 1 for p in parents)],
+                      model.cache.lengths)
+    return model.step(rows), rows
+
+
+@pytest.mark.parametrize("arch,nodes,long", [(a, 9, False) for a in ARCHS] + [("qwen3", 40, False),
+                                                                            ("llama", 24, True)])
+def test_tree_rows_are_bitwise_their_paths_alone(models, arch, nodes, long):
+    """Each node's logits in one fused tree step are bitwise those of one-token steps along its
+    path (also past 16 rows, where the GEMMs run in blocks, and over a longer context)."""
+    _, q, ids = models[arch]
+    if long:
+        ids = long_ids(ids)
+    tokens, parents = random_tree(nodes, nodes, 1000)
+    kernel, calls = q.step_kernel, []
+
+    def spy(*args):
+        y = kernel(*args)
+        calls.append(y is not None)
+        return y
+
+    q.step_kernel = spy
+    try:
+        got, _ = tree_step(q, ids, tokens, parents)
+    finally:
+        q.step_kernel = kernel
+    assert calls and calls[-1], "the tree step did not run fused"
+    assert torch.equal(got[0], one_token_steps(q, ids, [])[0])
+    for node in range(nodes):
+        path = path_of(tokens, parents, node)
+        assert torch.equal(got[node + 1], one_token_steps(q, ids, path)[-1]), node
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3, 4, 5])
+def test_commit_after_a_fused_tree_step_at_every_depth(models, depth):
+    """Keeping the pending token and an accepted path of each depth, then decoding on, gives
+    bitwise what decoding that path one token at a time gives."""
+    _, q, ids = models["qwen2"]
+    tokens = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    parents = [-1, -1, 0, 0, 3, 1, 4, 4, 7, 2]  # the path 0 -> 3 -> 4 -> 7 -> 8 and side branches
+    deepest = {0: None, 1: 1, 2: 3, 3: 4, 4: 7, 5: 8}[depth]  # the accepted path's last node
+    _, rows = tree_step(q, ids, tokens, parents)
+    nodes = []
+    node = deepest
+    while node is not None and node >= 0:
+        nodes.insert(0, node)
+        node = parents[node]
+    q.cache.commit(0, [0, *(n + 1 for n in nodes)], rows)
+    assert q.cache.length == len(ids) + depth
+    after = torch.cat([q(torch.tensor([[t]]))[0] for t in (21, 22, 23)])
+    path = [tokens[n] for n in nodes]
+    assert torch.equal(after, one_token_steps(q, ids, path + [21, 22, 23])[-3:])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_tree_decoding_equals_autoregressive(models, default_model_dir, arch):
+    """The tree drafter on the fused W8A8 step changes no token of greedy decoding."""
+    from quasar.models.tokenizer import Tokenizer
+    from quasar.speculative.drafters import NoDrafter
+    from quasar.speculative.generate import DecodeOptions, Result, decode
+    from quasar.speculative.tree_drafter import TreeDrafter
+
+    _, q, ids = models[arch]
+    tokenizer = Tokenizer(default_model_dir)
+    q.setup_cache(256)
+
+    def run(drafter, budget):
+        out = [r for r in decode(q, tokenizer, ids, drafter, DecodeOptions(max_new_tokens=48, num_draft=budget))
+               if isinstance(r, Result)]
+        return out[0]
+
+    ar = run(NoDrafter(), 0)
+    for budget in (4, 16, 31):
+        tree = run(TreeDrafter(budget=budget), budget)
+        assert tree.token_ids == ar.token_ids, budget
+        assert tree.stats.accepted > 0 and tree.stats.steps < ar.stats.steps

@@ -48,6 +48,29 @@ def test_greedy_speculative_equals_autoregressive(char_llm, verifier, adaptive):
     assert accepted_any, "no draft was ever accepted: the test did not exercise speculation"
 
 
+@pytest.mark.parametrize("verifier", ["fp", "w8a8"])
+def test_greedy_tree_equals_autoregressive(char_llm, verifier):
+    """Tree drafts (n-gram matches and recycled candidates, branching) change nothing in
+    greedy output, whatever the budget."""
+    accepted_any = False
+    for prompt in REPETITIVE:
+        ar = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="none", verifier=verifier)
+        for budget in (1, 5, 16, 40):
+            tree = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="tree", draft_budget=budget,
+                                     verifier=verifier)
+            assert tree.token_ids == ar.token_ids, (prompt, budget)
+            accepted_any |= tree.stats["accepted"] > 0
+    assert accepted_any, "no draft was ever accepted: the test did not exercise speculation"
+
+
+def test_tree_options_are_checked(char_llm):
+    with pytest.raises(QuasarError, match="draft_budget") as e:
+        char_llm.check_options(drafter="tree", draft_budget=0)
+    assert e.value.param == "draft_budget"
+    plan = char_llm.check_options(drafter="tree", draft_budget=7, adaptive=True)
+    assert plan.drafter_options["budget"] == 7 and plan.options.num_draft == 7 and not plan.options.adaptive
+
+
 def test_adaptive_draft_length_is_also_exact(char_llm):
     for prompt in REPETITIVE[:5]:
         ar = char_llm.generate(prompt, raw=True, max_new_tokens=40, drafter="none")
@@ -154,16 +177,17 @@ def _empirical(llm, prompt, n, position, drafter, seed0):
     counts = Counter()
     for s in range(n):
         r = llm.generate(prompt, raw=True, max_new_tokens=position + 1, temperature=1.3, seed=seed0 + s,
-                         drafter=drafter, num_draft=4)
+                         drafter=drafter, num_draft=4, draft_budget=6)
         if len(r.token_ids) > position:
             counts[r.token_ids[position]] += 1
     return counts
 
 
 @pytest.mark.slow
-def test_speculative_sampling_matches_plain_sampling(char_llm):
+@pytest.mark.parametrize("drafter", ["ngram", "tree"])
+def test_speculative_sampling_matches_plain_sampling(char_llm, drafter):
     """Chi-square: the first token follows the verifier's distribution exactly, and the third
-    token's distribution under speculative sampling equals plain sampling's."""
+    token's distribution under speculative sampling (chains or trees) equals plain sampling's."""
     prompt = "abcabcabcab"
     ids = char_llm.encode(prompt, raw=True)
     model = char_llm.verifier_model("fp")
@@ -171,7 +195,7 @@ def test_speculative_sampling_matches_plain_sampling(char_llm):
     probs = torch.softmax(model(torch.tensor([ids]), logits="last")[0, -1] / 1.3, -1).double().numpy()
 
     n = 800
-    first = _empirical(char_llm, prompt, n, 0, "ngram", 10_000)
+    first = _empirical(char_llm, prompt, n, 0, drafter, 10_000)
     support = [t for t in range(len(probs)) if probs[t] * n >= 5]
     obs = np.array([first[t] for t in support] + [n - sum(first[t] for t in support)])
     exp = np.array([probs[t] * n for t in support] + [n - sum(probs[t] * n for t in support)])
@@ -180,7 +204,7 @@ def test_speculative_sampling_matches_plain_sampling(char_llm):
     exp = exp * obs.sum() / exp.sum()  # scipy wants equal totals to the last bit
     assert sps.chisquare(obs, exp).pvalue > 1e-3
 
-    spec = _empirical(char_llm, prompt, n, 2, "ngram", 20_000)
+    spec = _empirical(char_llm, prompt, n, 2, drafter, 20_000)
     plain = _empirical(char_llm, prompt, n, 2, "none", 30_000)
     tokens = sorted(t for t in set(spec) | set(plain) if spec[t] + plain[t] >= 10)
     table = np.array([[spec[t] for t in tokens], [plain[t] for t in tokens]])
@@ -194,3 +218,42 @@ def test_speculative_sampling_matches_plain_sampling(char_llm):
     tokens = sorted(t for t in set(spec) | set(cold) if spec[t] + cold[t] >= 10)
     table = np.array([[spec[t] for t in tokens], [cold[t] for t in tokens]])
     assert sps.chi2_contingency(table).pvalue < 1e-3
+
+
+DEFAULT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "List the planets of the solar system in order, one per line.",
+    "Explain in three sentences why the sky is blue.",
+    "Summarize: The city council approved the new budget on Tuesday. It adds two bus lines, "
+    "repairs the old bridge and hires ten more librarians. The vote was seven to two.",
+    "What is 17 times 23? Show the steps.",
+]
+
+
+@pytest.mark.slow
+def test_greedy_tree_equals_autoregressive_on_the_default_model():
+    """The default model's W8A8 verifier (the fused step where the CPU has it): tree drafts
+    change no token of greedy output."""
+    llm = LLM("default", verifier="w8a8")
+    accepted = 0
+    for prompt in DEFAULT_PROMPTS:
+        ar = llm.generate(prompt, max_new_tokens=64, drafter="none")
+        tree = llm.generate(prompt, max_new_tokens=64, drafter="tree")
+        assert tree.token_ids == ar.token_ids, prompt
+        accepted += tree.stats["accepted"]
+    assert accepted > 0
+
+
+def test_cli_generate_with_the_tree_drafter(char_llm, capsys):
+    import json
+
+    from quasar.cli import main
+
+    args = ["generate", "--model", str(char_llm.loaded.model_dir), "--raw", "--prompt", "abcabcab", "--verifier", "fp",
+            "--max-new-tokens", "12", "--json", "--drafter", "tree"]
+    assert main([*args, "--draft-budget", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["drafter"] == "tree"
+    assert out["token_ids"] == char_llm.generate("abcabcab", raw=True, max_new_tokens=12, drafter="none").token_ids
+    assert main([*args, "--draft-budget", "0"]) == 2
+    assert "draft_budget must be an integer in [1, 64], got 0" in capsys.readouterr().err

@@ -148,6 +148,10 @@ def test_chat_matches_the_python_api(main, llm):
     plain = c.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0,
                                       extra_body={"drafter": "none"})
     assert plain.choices[0].message.content == direct.text  # greedy: drafts never change the text
+    tree = c.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0,
+                                     extra_body={"drafter": "tree", "draft_budget": 6})
+    assert tree.choices[0].message.content == direct.text
+    assert tree.model_extra["quasar"]["drafter"] == "tree" and tree.model_extra["quasar"]["draft_budget"] == 6
     assert plain.model_extra["quasar"]["steps"] == 12 and plain.model_extra["quasar"]["drafter"] == "none"
 
 
@@ -213,6 +217,7 @@ def test_malformed_and_wrongly_typed_requests(main):
                           (dict(temperature=5), "temperature"), (dict(stream="yes"), "stream"),
                           (dict(stop=[1, 2]), "stop"), (dict(n=0), "n"),
                           (dict(extra_body={"num_draft": "five"}), "num_draft"),
+                          (dict(extra_body={"drafter": "tree", "draft_budget": 0}), "draft_budget"),
                           (dict(extra_body={"verifier": "nope"}), "verifier"),
                           (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
                           (dict(messages="hello"), "messages")]:

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from quasar.errors import QuasarError
-from quasar.speculative.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling
-from quasar.speculative.drafters import NgramDrafter, NoDrafter, make_drafter
+from quasar.speculative.acceptance import AdaptiveDraftLength, accept_greedy, accept_sampling, accept_sampling_tree
+from quasar.speculative.drafters import DraftTree, NgramDrafter, NoDrafter
 from quasar.speculative.logprobs import token_logprobs
+from quasar.speculative.registry import make_drafter
 from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits, sample
 
 
@@ -362,6 +363,68 @@ def test_negative_controls_are_detected(wrong_rule):
 
 def test_negative_control_two_tokens():
     assert two_token_pvalue(always_accept, 4_000, seed=3) < 1e-6
+
+
+def toy_tree(model: ToyModel, context: list[int]) -> DraftTree:
+    """Three candidates below the pending token (the argmax, the draft table's guess, the
+    least likely token), two below the argmax, one below that: the branches sampling
+    must try in turn."""
+    p = model.dist(context)
+    key = context[-2] * V + context[-1]
+    first = [int(p.argmax()), int(model.draft_table[key, 0]), int(p.argmin())]
+    first = list(dict.fromkeys(first))
+    below = model.dist(context + [first[0]])
+    second = list(dict.fromkeys([int(below.argmax()), int(model.draft_table[key, 1])]))
+    third = int(model.dist(context + [first[0], second[0]]).argmax())
+    tokens = first + second + [third]
+    parents = [-1] * len(first) + [0] * len(second) + [len(first)]
+    return DraftTree(tokens, parents)
+
+
+def generate_two_tree(model: ToyModel, accept, gen, context):
+    out: list[int] = []
+    while len(out) < 2:
+        ctx = context + out
+        tree = toy_tree(model, ctx)
+        paths: list[list[int]] = []
+        for tok, parent in zip(tree.tokens, tree.parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [tok])
+        rows = torch.stack([model.dist(ctx)] + [model.dist(ctx + path) for path in paths])
+        out += accept(tree, rows, gen)[1]
+    return tuple(out[:2])
+
+
+def two_token_tree_pvalue(accept, n, seed):
+    model = ToyModel(seed)
+    context = [1, 2]
+    p0 = model.dist(context)
+    expected = {(a, b): float(p0[a] * model.dist(context + [a])[b]) for a in range(V) for b in range(V)}
+    gen = torch.Generator().manual_seed(seed + 200)
+    counts = Counter(generate_two_tree(model, accept, gen, context) for _ in range(n))
+    return chi2_pvalue(counts, expected, n)
+
+
+def residual_from_p_tree(tree, probs, gen):
+    """Wrong: after every candidate is rejected, draws from p itself, not from what is left."""
+    path, node = [], -1
+    while True:
+        p = probs[node + 1].double()
+        left = p.clone()
+        for c in tree.children(node):
+            if float(torch.rand((), generator=gen, dtype=torch.float64)) * float(left.sum()) < float(left[tree.tokens[c]]):
+                break
+            left[tree.tokens[c]] = 0
+        else:
+            return path, [tree.tokens[i] for i in path] + [sample(p, gen)]
+        path.append(c)
+        node = c
+
+
+def test_tree_sampling_first_two_tokens_match_target():
+    """Multi-candidate sampling over trees (siblings, depth 3) keeps the verifier's joint
+    distribution of the first two tokens; a plausible wrong rule is rejected."""
+    assert two_token_tree_pvalue(accept_sampling_tree, 16_000, seed=3) > 1e-3
+    assert two_token_tree_pvalue(residual_from_p_tree, 8_000, seed=3) < 1e-6
 
 
 def test_sampling_certain_and_impossible_drafts():

@@ -8,7 +8,7 @@ import sys
 
 from quasar.errors import QuasarError
 
-MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "ngram-pruned")
+MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "quasar-tree", "ngram-pruned")
 PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8",
               "openvino", "openvino-pld")
 TASK_NAMES = ("code", "summarization", "qa", "math", "chat")
@@ -71,6 +71,7 @@ def run_bench_command(args) -> int:
         model=args.model, dtype=args.dtype, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
         n=args.n, max_new_tokens=args.max_new_tokens, modes=args.modes, peers=args.peers, repeats=args.repeats,
         warmup=args.warmup, num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        draft_budget=args.draft_budget,
         bandwidth_bytes=int(args.bandwidth_gb * 2**30), progress=args.progress,
         command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
     )

@@ -127,7 +127,8 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
              + f"; up to {cfg['max_new_tokens']} new tokens, greedy, batch 1")
     L.append(f"- Protocol: one process, warm-up {'on' if cfg['warmup'] else 'off'}, engines interleaved per prompt, "
              f"median of {cfg['repeats']} repeats, {cfg['threads']} torch threads")
-    L.append(f"- Drafts: k={cfg['num_draft']}, n-gram {cfg['ngram_min']}..{cfg['ngram_max']}")
+    L.append(f"- Drafts: k={cfg['num_draft']}, n-gram {cfg['ngram_min']}..{cfg['ngram_max']}"
+             + (f"; trees of {cfg['draft_budget']} nodes" if "draft_budget" in cfg else ""))
     L.append(f"- Memory read bandwidth: **{band['gb_per_s']:.2f} GB/s** ({band['method']}; "
              f"{band['bytes'] / 2**30:.1f} GiB buffer; start/end "
              + ", ".join(f"{x:.2f}" for x in band.get("per_measurement_gb_per_s", [band["gb_per_s"]])) + " GB/s)")

@@ -36,7 +36,7 @@ import torch
 
 from quasar.bench import bandwidth as bw
 from quasar.bench.peers import PEERS, Contender, RunResult, Unavailable, make_peers
-from quasar.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
+from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
 from quasar.resources import peak_rss_gb
 
@@ -48,6 +48,7 @@ MODES: dict[str, tuple[str, str]] = {
     "ar-w8a8": ("none", "w8a8"),
     "ngram-fp": ("ngram", "fp"),
     "quasar": ("ngram", "w8a8"),
+    "quasar-tree": ("tree", "w8a8"),
     "ngram-pruned": ("ngram", "pruned:0.5"),
 }
 DEFAULT_N = 5
@@ -73,6 +74,7 @@ class BenchConfig:
     num_draft: int = DEFAULT_NUM_DRAFT
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
+    draft_budget: int = DEFAULT_DRAFT_BUDGET
     bandwidth_bytes: int = bw.DEFAULT_BYTES
     bandwidth_repeats: int = bw.DEFAULT_REPEATS
     progress: bool = True
@@ -161,8 +163,9 @@ class QuasarMode(Contender):
     def __init__(self, name: str, llm, cfg: BenchConfig):
         self.name, self.llm, self.cfg = name, llm, cfg
         self.drafter, self.verifier = MODES[name]
-        draft = (f"n-gram drafts (k={cfg.num_draft}, n={cfg.ngram_min}..{cfg.ngram_max})"
-                 if self.drafter == "ngram" else "autoregressive")
+        draft = {"ngram": f"n-gram drafts (k={cfg.num_draft}, n={cfg.ngram_min}..{cfg.ngram_max})",
+                 "tree": f"draft trees of n-gram matches and recycled verifier candidates ({cfg.draft_budget} "
+                         f"nodes, n={cfg.ngram_min}..{cfg.ngram_max})"}.get(self.drafter, "autoregressive")
         self.description = f"Quasar: {draft}, verifier {self.verifier}"
 
     def prepare(self) -> None:
@@ -179,7 +182,8 @@ class QuasarMode(Contender):
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         res = self.llm.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0,
                                 drafter=self.drafter, verifier=self.verifier, num_draft=self.cfg.num_draft,
-                                ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max)
+                                ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max,
+                                draft_budget=self.cfg.draft_budget)
         s = res.stats
         hist = Counter({int(k): int(v) for k, v in s["accepted_hist"].items()})
         return RunResult(token_ids=list(res.token_ids), new_tokens=s["new_tokens"], rate_tokens=s["new_tokens"],
@@ -325,6 +329,11 @@ def targets(overall: dict) -> list[dict]:
                  "threshold": 2.0, "higher_is_better": True, "value": ratio(q, max(best) if best else None)})
     rows.append({"name": "quasar verifier step ÷ bandwidth floor", "target": "<= 2", "threshold": 2.0,
                  "higher_is_better": False, "value": modes.get("quasar", {}).get("step_over_floor")})
+    tree, chain = modes.get("quasar-tree", {}), modes.get("quasar", {})  # issue 15: trees against the chain
+    rows.append({"name": "quasar-tree acceptance length ÷ quasar's", "target": ">= 1.25", "threshold": 1.25,
+                 "higher_is_better": True, "value": ratio(tree.get("mean_accepted"), chain.get("mean_accepted"))})
+    rows.append({"name": "quasar-tree tokens/s ÷ quasar tokens/s", "target": ">= 1.2", "threshold": 1.2,
+                 "higher_is_better": True, "value": ratio(tree.get("tokens_per_s"), q)})
     for r in rows:
         v = r["value"]
         r["met"] = None if v is None else (v >= r["threshold"] if r["higher_is_better"] else v <= r["threshold"])
@@ -438,7 +447,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             "dtype": cfg.dtype, "threads": threads, "tasks": task_order, "prompts_file": cfg.prompts_file,
             "n": cfg.n, "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
             "warmup": cfg.warmup, "modes": cfg.modes, "peers": cfg.peers, "num_draft": cfg.num_draft,
-            "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "greedy": True, "batch": 1,
+            "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "draft_budget": cfg.draft_budget, "greedy": True, "batch": 1,
         },
         "environment": environment(threads),
         "bandwidth": band,

@@ -6,8 +6,9 @@ than in reading its int8 weights. ``csrc/decoder_layer.cpp`` runs each
 layer's glue as plain loops between the same VNNI GEMMs Int8Linear uses;
 :class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or
 forked) and the model calls it for every verifier step (``Transformer.step``, and chains of
-up to ``ROW_INVARIANT_MAX_T`` tokens); it takes a chain of up to ``MAX_ROWS`` rows in a
-one-slot cache and returns None for other steps (trees, batches), which run the modules.
+up to ``ROW_INVARIANT_MAX_T`` tokens); it takes a chain or a token tree of up to ``MAX_ROWS``
+rows in a one-slot cache (each row attends to the committed cache, then to its path) and
+returns None for other steps (batches of several slots), which run the modules.
 
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
 whether it is verified alone or with drafts (greedy speculative == greedy autoregressive
@@ -40,7 +41,7 @@ _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_p
 
 
 _HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the attention kernel's specialisations
-MAX_ROWS = 16  # rows the op takes in one call
+MAX_ROWS = 128  # rows the op takes in one call (decoder_layer.cpp's kMaxRows)
 
 
 class FusedW8A8Step:
@@ -54,8 +55,8 @@ class FusedW8A8Step:
         self._watch: list[tuple[dict, str, Any]] = []  # (owner dict, key, object) to recheck
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, rows) -> Tensor | None:
-        # The op runs one chain of up to 16 rows at the end of a one-slot cache.
-        if not (rows.is_chain and cache.n_slots == 1 and len(rows) <= MAX_ROWS):
+        # The op runs one tree (a chain included) of up to MAX_ROWS rows in a one-slot cache.
+        if not (cache.n_slots == 1 and len(rows) <= MAX_ROWS):
             return None
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1 or cache.k.dtype != torch.float32:
             return None
@@ -65,8 +66,8 @@ class FusedW8A8Step:
         cfg = self.model.config
         norms, weights, scales, biases, comps, act_bits = self._plan
         start = rows.starts[rows.slots[0]]
-        return self._op(x.contiguous(), cos, sin, cache.k, cache.v, start, norms, cfg.rms_norm_eps, weights,
-                        scales, biases, comps, act_bits, cfg.num_heads, cfg.num_kv_heads)
+        return self._op(x.contiguous(), cos, sin, cache.k, cache.v, start, rows.parents, norms, cfg.rms_norm_eps,
+                        weights, scales, biases, comps, act_bits, cfg.num_heads, cfg.num_kv_heads)
 
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""

@@ -33,7 +33,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quasar.defaults import DEFAULT_ADAPTIVE, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
+from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
+                             DEFAULT_NUM_DRAFT)
 from quasar.errors import QuasarError
 from quasar.server.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 from quasar.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -137,13 +138,13 @@ class _JobStream(StreamingResponse):
 def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_name: str | None = None,
                num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
                ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE,
-               default_max_tokens: int = 1024, metrics: ServerMetrics | None = None) -> FastAPI:
+               draft_budget: int = DEFAULT_DRAFT_BUDGET, default_max_tokens: int = 1024, metrics: ServerMetrics | None = None) -> FastAPI:
     """An app serving `llm` (a `quasar.api.LLM`). The drafter/verifier defaults are the LLM's own."""
     metrics = metrics or ServerMetrics()
     scheduler = Scheduler(llm, max_queue=max_queue, metrics=metrics).start()
     served = model_name or _model_name(llm)
     defaults = dict(drafter=llm.drafter, verifier=llm.verifier, num_draft=num_draft, ngram_min=ngram_min,
-                    ngram_max=ngram_max, adaptive=adaptive)
+                    ngram_max=ngram_max, adaptive=adaptive, draft_budget=draft_budget)
     created_at = now()
     html = _playground_html()
     text_of = token_texts(llm.tokenizer)
@@ -294,6 +295,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
     def quasar_stats(opts: dict, stats: Stats, job: Job) -> dict:
         return {"drafter": opts["drafter"], "verifier": opts["verifier"],
                 "num_draft": opts["num_draft"] if opts["drafter"] != "none" else 0,
+                **({"draft_budget": opts["draft_budget"]} if opts["drafter"] == "tree" else {}),
                 **stats.as_dict(), "queue_s": round(job.queue_s, 4)}
 
     def choice_logprobs(req: GenRequest) -> list[ChoiceLogprobs] | None:

@@ -54,6 +54,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise QuasarError(f"--num-draft must be in 0..64, got {args.num_draft}")
     if not 1 <= args.ngram_min <= args.ngram_max:
         raise QuasarError(f"need 1 <= --ngram-min <= --ngram-max, got {args.ngram_min}, {args.ngram_max}")
+    if not 1 <= args.draft_budget <= 64:
+        raise QuasarError(f"--draft-budget must be in 1..64, got {args.draft_budget}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -104,7 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
     llm.prepare(progress=sys.stderr.isatty())
     app = create_app(llm, api_key=api_key, max_queue=args.max_queue, model_name=args.served_model_name,
                      num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                     adaptive=args.adaptive, default_max_tokens=args.default_max_tokens)
+                     adaptive=args.adaptive, draft_budget=args.draft_budget, default_max_tokens=args.default_max_tokens)
     url_host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"quasar: serving {app.state.model_name} ({args.drafter}+{args.verifier}, k={args.num_draft}) at "
           f"http://{url_host}:{args.port}/  (playground at /, API at /v1)", file=sys.stderr)

@@ -4,8 +4,8 @@ Requests are checked by hand so every error names the offending field (`param`) 
 OpenAI does, and comes back as `{"error": {"message", "type", "param", "code"}}` with
 status 400. Unknown fields are ignored (clients send many); known fields of the wrong
 type, and features this server does not implement (tools, penalties, ...), are rejected
-rather than silently dropped. Quasar's own fields (`drafter`, `verifier`,
-`num_draft`, `ngram_min`, `ngram_max`, `adaptive`, `top_k`) are accepted as extras.
+rather than silently dropped. Quasar's own fields (`drafter`, `verifier`, `num_draft`,
+`ngram_min`, `ngram_max`, `adaptive`, `draft_budget`, `top_k`) are accepted as extras.
 """
 
 from __future__ import annotations
@@ -201,6 +201,7 @@ class GenRequest:
     ngram_min: int | None = None
     ngram_max: int | None = None
     adaptive: bool | None = None
+    draft_budget: int | None = None
 
 
 def _common(f: _Fields, req: GenRequest) -> GenRequest:
@@ -248,6 +249,7 @@ def _common(f: _Fields, req: GenRequest) -> GenRequest:
     req.ngram_min = f.integer("ngram_min", None, 1, 64)
     req.ngram_max = f.integer("ngram_max", None, 1, 64)
     req.adaptive = f.boolean("adaptive")
+    req.draft_budget = f.integer("draft_budget", None, 1, 64)
     return req
 
 

@@ -185,24 +185,3 @@ class NgramDrafter(Drafter):
     def history_length(self) -> int:
         """Number of tokens seen (prompt + extensions); handy for checks in the loop."""
         return len(self._history)
-
-
-_DRAFTERS: dict[str, type[Drafter]] = {"none": NoDrafter, "ngram": NgramDrafter}
-
-
-def drafter_class(name: str) -> type[Drafter]:
-    """The drafter class called ``name``; a QuasarError lists the known ones."""
-    cls = _DRAFTERS.get(name)
-    if cls is None:
-        known = ", ".join(sorted(_DRAFTERS))
-        raise QuasarError(f"unknown drafter {name!r}; known drafters: {known}", param="drafter")
-    return cls
-
-
-def make_drafter(name: str, **opts: Any) -> Drafter:
-    """Build a drafter by name, turning bad names and options into a QuasarError."""
-    cls = drafter_class(name)
-    try:
-        return cls(**opts)
-    except TypeError as exc:
-        raise QuasarError(f"bad options for drafter {name!r}: {exc}", param="drafter") from exc

@@ -7,10 +7,12 @@
 // VNNI GEMMs Int8Linear uses (int8_gemm.h), so a step costs little more than the bytes of
 // its weights.
 //
-// Layer (Llama family, batch 1, T <= 16 rows, float32 activations):
-//   h = rmsnorm(x) * w_in; q, k, v = W8A8(h) (one quantization, one parallel GEMM);
-//   optional per-head q/k rmsnorm (Qwen3); RoPE; k, v written to the cache at
-//   [start, start + T); attention of row i over keys [0, start + i]; x += W8A8_o(attn);
+// Layer (Llama family, batch 1, T <= kMaxRows rows of a chain or a token tree, float32
+// activations):
+//   h = rmsnorm(x) * w_in; q, k, v = W8A8(h) (one quantization, one parallel GEMM per
+//   16 rows); optional per-head q/k rmsnorm (Qwen3); RoPE; k, v written to the cache at
+//   [start, start + T); attention of row i over keys [0, start) and then its path (for a
+//   chain: keys [0, start + i]); x += W8A8_o(attn);
 //   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
 // A linear with act_bits 15 (by default the down projection) quantizes its input to 15
 // bits and runs two int8 products over the same weight chunk (small_m_gemm_split).
@@ -45,7 +47,11 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;  // verifier steps; longer prefills use the PyTorch path
+// Rows of a verifier step (a chain or a token tree: the pending token and its draft nodes);
+// longer prefills use the PyTorch path. fused_step.MAX_ROWS is the same number.
+constexpr int64_t kMaxRows = 128;
+// Rows one small-M GEMM call takes (int8_gemm.h); a longer step runs its GEMMs in blocks.
+constexpr int64_t kGemmRows = 16;
 // Most query vectors one attention call takes (the rest go to further calls).
 constexpr int64_t kMaxGroupQueries = 16;
 
@@ -129,17 +135,35 @@ QUASAR_AVX512 inline __m512 sum16(const __m512* a) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), out);
 }
 
+// Where query i's logical key j lives in the cache (rows.py: a row attends to its slot's
+// committed cache, then to its path): row j below splits[i], row tails[i][j - splits[i]]
+// from there. A chain's rows have no tail (splits = n); a tree row's tail is the part of its
+// path that does not directly follow the committed cache. Only the address changes: the
+// arithmetic over logical keys is the same, so a tree row's result is bitwise that of the
+// one-token step on its path (whose keys are the same values, committed in path order).
+struct KeyMap {
+  const int64_t* splits;
+  const int64_t* const* tails;
+};
+
+template <bool Paths>
+inline int64_t key_row(const KeyMap& keys, int64_t i, int64_t j) {
+  if constexpr (Paths) return j < keys.splits[i] ? j : keys.tails[i][j - keys.splits[i]];
+  return j;
+}
+
 // Attention of several query vectors that share one kv head (the heads of a GQA group and
-// the rows of a step): out_i = softmax(q_i . K[0..n_i) * scale) V, K and V [S, 16C] rows.
+// the rows of a step): out_i = softmax(q_i . K[0..n_i) * scale) V over query i's logical keys
+// (see KeyMap; Paths = false: every query's keys are rows 0..n_i), K and V [S, 16C] rows.
 // Keys are visited 16 at a time and each chunk of K (then V) is used by every query while
 // it sits in L1, so a kv head's cache is streamed once per call instead of once per query.
 // Each query's arithmetic (its scores, exp-sum and the two accumulation chains of its
 // output) is the same whatever the other queries are: grouping never changes a bit.
 // Scratch: `scores` nq * stride floats (stride >= max n), `acc` nq * 32C floats.
-template <int C>
-QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, float* const* outs, int64_t nq,
-                                const float* k, const float* v, float scale, float* scores,
-                                int64_t stride, float* acc) {
+template <int C, bool Paths>
+QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, const KeyMap& keys,
+                                float* const* outs, int64_t nq, const float* k, const float* v, float scale,
+                                float* scores, int64_t stride, float* acc) {
   constexpr int64_t d = 16 * C;
   int64_t n_max = 0;
   for (int64_t i = 0; i < nq; ++i) n_max = std::max(n_max, ns[i]);
@@ -158,7 +182,7 @@ QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, float
       for (int jj = 0; jj < 16; ++jj) {
         a[jj] = _mm512_setzero_ps();
         if (jj < cnt) {
-          const float* kr = k + (j0 + jj) * d;
+          const float* kr = k + key_row<Paths>(keys, i, j0 + jj) * d;
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) a[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a[jj]);
         }
@@ -201,16 +225,18 @@ QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, float
       int64_t j = j0;
       for (; j + 2 <= j1; j += 2) {
         const __m512 w0 = _mm512_set1_ps(s[j]), w1 = _mm512_set1_ps(s[j + 1]);
-        const float* v0 = v + j * d;
+        const float* v0 = v + key_row<Paths>(keys, i, j) * d;
+        const float* v1 = v + key_row<Paths>(keys, i, j + 1) * d;
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
           a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
-          a1[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v0 + d + 16 * c), a1[c]);
+          a1[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * c), a1[c]);
         }
       }
       if (j < j1) {  // an odd last key (chunks start even, so only at the query's end)
         const __m512 w0 = _mm512_set1_ps(s[j]);
-        for (int c = 0; c < C; ++c) a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + j * d + 16 * c), a0[c]);
+        const float* v0 = v + key_row<Paths>(keys, i, j) * d;
+        for (int c = 0; c < C; ++c) a0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
       }
       for (int c = 0; c < C; ++c) {
         _mm512_storeu_ps(ai + 16 * c, a0[c]);
@@ -227,19 +253,20 @@ QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, float
   }
 }
 
-using AttendFn = void (*)(const float* const*, const int64_t*, float* const*, int64_t, const float*,
-                          const float*, float, float*, int64_t, float*);
+using AttendFn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, int64_t,
+                          const float*, const float*, float, float*, int64_t, float*);
 
+template <bool Paths>
 AttendFn attend_for(int64_t d) {
   switch (d) {
-    case 16: return attend_group<1>;
-    case 32: return attend_group<2>;
-    case 48: return attend_group<3>;
-    case 64: return attend_group<4>;
-    case 80: return attend_group<5>;
-    case 96: return attend_group<6>;
-    case 128: return attend_group<8>;
-    case 256: return attend_group<16>;
+    case 16: return attend_group<1, Paths>;
+    case 32: return attend_group<2, Paths>;
+    case 48: return attend_group<3, Paths>;
+    case 64: return attend_group<4, Paths>;
+    case 80: return attend_group<5, Paths>;
+    case 96: return attend_group<6, Paths>;
+    case 128: return attend_group<8, Paths>;
+    case 256: return attend_group<16, Paths>;
     default: return nullptr;
   }
 }
@@ -293,9 +320,9 @@ quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& scale,
 }
 
 // y [rows, y_stride] columns of `segs` = W8A8(x [rows, K]), or W8A15 (15-bit activations
-// split in two int8 halves) when act_bits is 15.
-void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
-               float* y, int64_t y_stride, int64_t act_bits) {
+// split in two int8 halves) when act_bits is 15; rows <= kGemmRows.
+void int8_block(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
+                float* y, int64_t y_stride, int64_t act_bits) {
   std::vector<float> sx(rows);
   if (act_bits == 15) {
     std::vector<uint8_t> hi(rows * k), lo(rows * k);
@@ -306,6 +333,15 @@ void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segmen
   std::vector<uint8_t> q(rows * k);
   quasar::quantize_rows_u8(x, rows, k, q.data(), sx.data());
   quasar::small_m_gemm(q.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
+}
+
+// int8_block over any number of rows, kGemmRows at a time: each row is quantized and
+// multiplied on its own, so the blocks change no bit (each block reads the weights once).
+void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
+               float* y, int64_t y_stride, int64_t act_bits) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kGemmRows)
+    int8_block(x + r0 * k, std::min(kGemmRows, rows - r0), k, segs, n_segs, y + r0 * y_stride, y_stride,
+               act_bits);
 }
 
 // The linears of one layer as GEMM segments, checked against the head layout.
@@ -346,14 +382,18 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
 }  // namespace
 
 // x [1, T, H] float32 -> the hidden states after all L layers [1, T, H]; k_cache / v_cache
-// [L, 1, KVH, S, D] float32 get rows [start, start + T). Per layer l, in order:
+// [L, 1, KVH, S, D] float32 get row t's K/V at start + t. The rows form a tree: parents[t] is
+// row t's parent row (parents[0] = -1: the pending token; a chain has parents[t] = t - 1), and
+// row t attends to the committed cache [0, start) and then to its path (the rows from the
+// root down to itself), the keys a one-token step on its path would see. Per layer l, in order:
 // norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm, q_norm, k_norm (the last
 // two None without qk-norm); weights / scales / biases / comps / act_bits[7l .. 7l+6] = the
 // Int8Linears q, k, v, o, gate, up, down (comp = 128 * rowsum(weight), int32 [N]; act_bits
 // 8, or 15 for split 15-bit activations as in Int8Linear).
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
-                               const c10::List<std::optional<at::Tensor>>& norms, double eps,
+                               at::IntArrayRef parents, const c10::List<std::optional<at::Tensor>>& norms,
+                               double eps,
                                at::TensorList weights, at::TensorList scales,
                                const c10::List<std::optional<at::Tensor>>& biases,
                                at::TensorList comps, at::IntArrayRef act_bits, int64_t n_heads,
@@ -377,7 +417,29 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                   static_cast<int64_t>(comps.size()) == 7 * L && static_cast<int64_t>(act_bits.size()) == 7 * L,
               "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
   TORCH_CHECK(start >= 0 && start + T <= S, "w8a8_decoder_layers: rows past the cache");
-  const AttendFn attend = attend_for(D);
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && parents[0] == -1,
+              "w8a8_decoder_layers: one parent per row, -1 for the first");
+  // Each row's logical keys (KeyMap): n_keys[t] of them, rows [0, split[t]) of the cache
+  // and then tails[t]: the path's rows from the first one off the chain 0, 1, 2, ...
+  std::vector<int64_t> n_keys(T), split(T), tail_rows(T * T), path;
+  std::vector<const int64_t*> tails(T);
+  bool is_chain = true;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(t == 0 || (parents[t] >= 0 && parents[t] < t),
+                "w8a8_decoder_layers: parents[", t, "] must be an earlier row");
+    path.clear();
+    for (int64_t r = t; r >= 0; r = r == 0 ? -1 : parents[r]) path.push_back(r);
+    std::reverse(path.begin(), path.end());
+    int64_t m = 0;
+    while (m < static_cast<int64_t>(path.size()) && path[m] == m) ++m;
+    is_chain = is_chain && m == static_cast<int64_t>(path.size());
+    n_keys[t] = start + static_cast<int64_t>(path.size());
+    split[t] = start + m;
+    for (size_t i = m; i < path.size(); ++i) tail_rows[t * T + (i - m)] = start + path[i];
+    tails[t] = tail_rows.data() + t * T;
+  }
+  // A chain keeps the plain kernel (no key lookups at all).
+  const AttendFn attend = is_chain ? attend_for<false>(D) : attend_for<true>(D);
   TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
   const float* cs = float_data(cos, T * D, "cos");
   const float* sn = float_data(sin, T * D, "sin");
@@ -432,7 +494,8 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
       std::vector<float> scores(kMaxGroupQueries * (start + T)), acc(kMaxGroupQueries * 2 * D);
       const float* qp[kMaxGroupQueries];
       float* op[kMaxGroupQueries];
-      int64_t ns[kMaxGroupQueries];
+      int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
+      const int64_t* tl[kMaxGroupQueries];
       for (int64_t item = i0; item < i1; ++item) {
         const int64_t kv = item / parts, part = item % parts;
         const int64_t q0 = part * per_kv / parts, q1 = (part + 1) * per_kv / parts;
@@ -440,10 +503,12 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
           const int64_t t = qi / group, hd = kv * group + qi % group;
           qp[qi - q0] = proj.data() + t * nqkv + hd * D;
           op[qi - q0] = attn.data() + t * nq + hd * D;
-          ns[qi - q0] = start + t + 1;
+          ns[qi - q0] = n_keys[t];
+          sp[qi - q0] = split[t];
+          tl[qi - q0] = tails[t];
         }
-        attend(qp, ns, op, q1 - q0, kc + kv * S * D, vc + kv * S * D, scale, scores.data(), start + T,
-               acc.data());
+        attend(qp, ns, KeyMap{sp, tl}, op, q1 - q0, kc + kv * S * D, vc + kv * S * D, scale, scores.data(),
+               start + T, acc.data());
       }
     });
     int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H, g.bits_o);
@@ -465,7 +530,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
 TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "int start, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
+      "int start, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
       "Tensor[] comps, int[] act_bits, int n_heads, int n_kv_heads) -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 }

@@ -1,0 +1,145 @@
+"""The tree drafter against brute-force oracles: its n-gram followers, its recycling table and
+the trees it grows (the `budget` likeliest nodes under its documented scores)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from quasar.errors import QuasarError
+from quasar.speculative.registry import make_drafter
+from quasar.speculative.tree_drafter import TreeDrafter, match_score, recycle_score
+
+
+def brute_followers(history, context, n_min, n_max):
+    """n -> (total, {token: (count, latest position)}) by scanning the whole history."""
+    out = {}
+    for n in range(n_min, n_max + 1):
+        if len(context) < n:
+            continue
+        seen = {}
+        for i in range(n, len(history)):
+            if history[i - n:i] == context[len(context) - n:]:
+                seen[history[i]] = (seen.get(history[i], (0, 0))[0] + 1, i)
+        if seen:
+            out[n] = (sum(c for c, _ in seen.values()), seen)
+    return out
+
+
+def brute_recycled(steps, token):
+    """The top ids of the first row holding `token` in the latest step that holds it."""
+    for tokens, top_ids in reversed(steps):
+        if token in tokens:
+            return top_ids[tokens.index(token)]
+    return []
+
+
+def brute_edges(history, steps, path, n_min, n_max):
+    """token -> edge score below history + path, straight from the module's definitions."""
+    context = history + path
+    best = {}
+    for n, (total, seen) in brute_followers(history, context, n_min, n_max).items():
+        for token, (count, _) in seen.items():
+            best[token] = max(best.get(token, 0.0), match_score(n, count, total))
+    for rank, token in enumerate(brute_recycled(steps, context[-1])):
+        best[token] = max(best.get(token, 0.0), recycle_score(rank))
+    return best
+
+
+def random_run(rng, vocab, n_steps):
+    """A drafter fed random history chunks and random verifier top-k observations."""
+    drafter = TreeDrafter(budget=12)
+    history = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+    drafter.reset(history)
+    steps = []
+    for _ in range(n_steps):
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+        top = [rng.sample(range(vocab), 3) for _ in tokens]
+        drafter.observe(tokens, top)
+        steps.append((tokens, top))
+        chunk = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        drafter.extend(chunk)
+        history += chunk
+    return drafter, history, steps
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_followers_and_recycling_equal_the_oracles(seed):
+    rng = random.Random(seed)
+    drafter, history, steps = random_run(rng, vocab=4 + seed % 3, n_steps=15)
+    assert drafter.ngrams.history == history
+    for _ in range(30):
+        path = [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
+        context = history + path
+        assert drafter.ngrams.followers(context) == brute_followers(history, context, 1, 3)
+    for token in range(8):
+        assert drafter.recycled.get(token) == brute_recycled(steps, token)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_is_the_budget_likeliest_nodes(seed):
+    """Every node is a candidate of its parent's context, siblings are distinct, parents come
+    first, and the node scores are the `budget` best of the whole candidate trie."""
+    rng = random.Random(100 + seed)
+    drafter, history, steps = random_run(rng, vocab=5, n_steps=10)
+    budget = rng.choice([1, 4, 12])
+    tree = drafter.propose_tree(budget)
+    assert 1 <= len(tree) <= budget
+    paths, scores = [], []
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        assert -1 <= parent < i
+        above = paths[parent] if parent >= 0 else []
+        scores.append((scores[parent] if parent >= 0 else 1.0) * brute_edges(history, steps, above, 1, 3)[token])
+        paths.append(above + [token])
+        siblings = [tree.tokens[c] for c in tree.children(parent)]
+        assert len(set(siblings)) == len(siblings)
+    # the whole trie down to the weakest chosen score (scores only shrink down a path)
+    floor = min(scores) * (1 - 1e-9)
+    every, frontier = [], [([], 1.0)]
+    while frontier:
+        path, score = frontier.pop()
+        for token, s in brute_edges(history, steps, path, 1, 3).items():
+            if score * s >= floor:
+                every.append(score * s)
+                frontier.append((path + [token], score * s))
+        assert len(every) < 100_000
+    best = sorted(every, reverse=True)
+    assert sorted(scores, reverse=True) == pytest.approx(best[:len(tree)], rel=1e-12)
+    if len(tree) < budget:  # it stopped early only for want of candidates
+        assert len(best) == len(tree)
+
+
+def test_ranking_by_length_then_count_then_recency():
+    d = TreeDrafter(budget=2)
+    d.reset([1, 2, 1, 3, 1])  # 2 and 3 each followed 1 once: the more recent (3) first
+    assert d.propose_tree(2).tokens == [3, 2]
+    d.reset([1, 2, 1, 2, 1, 3, 1])  # 2 twice, 3 once (more recently): the count wins
+    assert d.propose_tree(2).tokens[0] == 2
+    d.reset([5, 1, 2, 6, 1, 3, 5, 1])  # "5 1" -> 2 (a 2-gram) beats "1" -> 3 (a 1-gram)
+    assert d.propose_tree(1).tokens == [2]
+
+
+def test_repeats_extend_through_the_path_and_recycling_fills_in():
+    d = TreeDrafter(budget=4)
+    d.reset([7, 7, 7])  # the n-grams of the path itself keep matching: a chain of 7s
+    assert d.propose_tree(4).tokens == [7, 7, 7, 7] and d.propose(3) == [7, 7, 7]
+    d.reset([1, 2, 3])  # nothing repeats: no draft until the verifier has spoken
+    assert len(d.propose_tree(4)) == 0 and d.propose(3) == []
+    d.observe([3, 9], [[9, 4], [5, 6]])
+    tree = d.propose_tree(4)
+    assert tree.tokens[:2] == [9, 4] and tree.parents[:2] == [-1, -1]  # 3's candidates, best first
+    assert 5 in tree.tokens  # and below 9, what the verifier said follows 9
+
+
+def test_options_and_factory():
+    assert make_drafter("tree", budget=8).budget == 8
+    for bad in (0, 65, True, 2.5):
+        with pytest.raises(QuasarError, match="draft_budget"):
+            make_drafter("tree", budget=bad)
+    with pytest.raises(QuasarError, match="n_min"):
+        make_drafter("tree", n_min=3, n_max=2)
+    assert TreeDrafter(budget=3).propose_tree(10).tokens == []  # empty history
+    d = TreeDrafter(budget=3)
+    d.reset([4, 4, 4, 4])
+    assert len(d.propose_tree(10)) == 3  # the drafter's own budget caps the step's
