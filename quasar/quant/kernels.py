@@ -73,9 +73,15 @@ def s8_mm(qx: Tensor, packed: Packed) -> Tensor:
     return torch._int_mm(qx, packed[0].t())
 
 
+_ROWSUM_CHUNK = 4096  # rows summed at a time: an int32 copy of a vocabulary-wide weight is GBs
+
+
 def u8x_pack(weight: Tensor) -> Packed:
     """Weight as is, plus 128 * rowsum(W) to undo the +128 shift of the activation."""
-    return (weight, weight.sum(dim=1, dtype=torch.int32).mul_(128).unsqueeze(0))
+    comp = torch.empty(weight.shape[0], dtype=torch.int32, device=weight.device)
+    for i in range(0, weight.shape[0], _ROWSUM_CHUNK):
+        torch.sum(weight[i:i + _ROWSUM_CHUNK], dim=1, dtype=torch.int32, out=comp[i:i + _ROWSUM_CHUNK])
+    return (weight, comp.mul_(128).unsqueeze(0))
 
 
 def u8x_mm(qx: Tensor, packed: Packed) -> Tensor:
