@@ -4,6 +4,8 @@ the tokens verified with it, and it gets out of the way when it does not apply."
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -59,11 +61,9 @@ def long_ids(ids: list[int]) -> list[int]:
     return (ids * (LONG // len(ids) + 1))[:LONG]
 
 
-@pytest.mark.parametrize("arch,long", [(a, False) for a in ARCHS] + [("llama", True), ("qwen2", True)])
-def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch, long):
-    fp, q, ids = models[arch]
-    if long:
-        ids = long_ids(ids)
+@contextmanager
+def fused_calls(q):
+    """Record, per verifier step of ``q``, whether the fused step ran (not None)."""
     kernel, calls = q.step_kernel, []
 
     def spy(*args):
@@ -73,9 +73,18 @@ def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch, 
 
     q.step_kernel = spy
     try:
-        fused = step_logits(q, ids, 6, fused=True)
+        yield calls
     finally:
         q.step_kernel = kernel
+
+
+@pytest.mark.parametrize("arch,long", [(a, False) for a in ARCHS] + [("llama", True), ("qwen2", True)])
+def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch, long):
+    fp, q, ids = models[arch]
+    if long:
+        ids = long_ids(ids)
+    with fused_calls(q) as calls:
+        fused = step_logits(q, ids, 6, fused=True)
     assert calls and all(calls), "the fused layer did not run"
     modules = step_logits(q, ids, 6, fused=False)
     ref = step_logits(fp, ids, 6, fused=False)
@@ -180,18 +189,8 @@ def test_tree_rows_are_bitwise_their_paths_alone(models, arch, nodes, long):
     if long:
         ids = long_ids(ids)
     tokens, parents = random_tree(nodes, nodes, 1000)
-    kernel, calls = q.step_kernel, []
-
-    def spy(*args):
-        y = kernel(*args)
-        calls.append(y is not None)
-        return y
-
-    q.step_kernel = spy
-    try:
+    with fused_calls(q) as calls:
         got, _ = tree_step(q, ids, tokens, parents)
-    finally:
-        q.step_kernel = kernel
     assert calls and calls[-1], "the tree step did not run fused"
     assert torch.equal(got[0], one_token_steps(q, ids, [])[0])
     for node in range(nodes):

@@ -100,7 +100,8 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     dtype = torch.float32
     options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
                "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate),
-               "gptq": bool(gptq), "down_act_bits": int(down_act_bits)}
+               "gptq": bool(gptq), "down_act_bits": int(down_act_bits),
+               "pipeline": "sequential"}  # entries of the earlier whole-model pipeline are not reused
     build = dict(alpha=alpha, lm_head=lm_head, smooth_o_down=smooth_o_down, samples=samples, seq_len=seq_len,
                  rotate=rotate, gptq=gptq, backend=backend, down_act_bits=down_act_bits, calib_text=text,
                  calib_source=str(calib) if calib else None, progress=progress)
