@@ -58,9 +58,9 @@ assert hasattr(llama_cpp, "llama_model_quantize"), "this build lacks llama_model
 
 # A few tokens of the default model's own GGUF: a build for instructions this CPU cannot
 # run fails here (SIGILL), not in the middle of a benchmark.
-from quasar import data
+from quasar.data.packages import default_model_path
 
-llm = llama_cpp.Llama(str(data.default_model_path()), n_ctx=64, n_threads=2, verbose=False)
+llm = llama_cpp.Llama(str(default_model_path()), n_ctx=64, n_threads=2, verbose=False)
 assert llm("def add(a, b):", max_tokens=4)["choices"][0]["text"] is not None
 print(f"llama-cpp-python {llama_cpp.__version__} ready: quasar bench --peers llamacpp,llamacpp-pld,llamacpp-q8,llamacpp-pld-q8")
 EOF
