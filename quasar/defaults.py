@@ -11,9 +11,8 @@ DEFAULT_NGRAM_MAX = 3
 # measured faster than a fixed k on the default model with identical output (BENCHMARKS.md).
 DEFAULT_ADAPTIVE = True
 # The tree drafter (`--drafter tree`): draft nodes per step, and how many of the verifier's
-# top next tokens per verified row it recycles. 16 is a starting point, not a measurement:
-# the budget should be the row count at which a fused step stays within ~1.3x of a
-# one-token step (issue 15), measured per model size. Note that 16 nodes make 17 rows, and
-# the fused step's GEMMs take 16 rows a pass: 15 nodes may well measure better.
-DEFAULT_DRAFT_BUDGET = 16
+# top next tokens per verified row it recycles. The budget is the row count at which a
+# fused step stays within ~1.3x of a one-token step: on the 2-core development machine
+# (default model) 8 rows cost 1.45x one row and 16 rows 2.3x, so 6 nodes (7 rows).
+DEFAULT_DRAFT_BUDGET = 6
 DEFAULT_RECYCLE_TOP_K = 8
