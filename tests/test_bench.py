@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from quasar.defaults import DEFAULT_DRAFT_BUDGET
+
 from quasar.cli import main
 
 FAST = ["--threads", "1", "--max-new-tokens", "8", "--bandwidth-gb", "0.0625", "--no-progress"]
@@ -119,7 +121,7 @@ def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
     assert res["unavailable"] == {}
     assert res["modes"]["ar-w8a8"]["mean_accepted"] == 1.0
     assert res["modes"]["quasar"]["mean_accepted"] >= 1.0 and res["modes"]["quasar-tree"]["mean_accepted"] >= 1.0
-    assert res["config"]["draft_budget"] == 16
+    assert res["config"]["draft_budget"] == DEFAULT_DRAFT_BUDGET
     tree_l = next(t for t in res["targets"] if t["name"].startswith("quasar-tree acceptance"))
     assert tree_l["value"] == pytest.approx(res["modes"]["quasar-tree"]["mean_accepted"]
                                             / res["modes"]["quasar"]["mean_accepted"])
