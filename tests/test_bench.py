@@ -9,9 +9,8 @@ import re
 
 import pytest
 
-from quasar.defaults import DEFAULT_DRAFT_BUDGET
-
 from quasar.cli import main
+from quasar.defaults import DEFAULT_DRAFT_BUDGET
 
 FAST = ["--threads", "1", "--max-new-tokens", "8", "--bandwidth-gb", "0.0625", "--no-progress"]
 
