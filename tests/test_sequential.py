@@ -87,18 +87,20 @@ def test_later_layers_calibrate_on_quantized_inputs(qwen2, monkeypatch):
 
 @pytest.mark.slow
 def test_sequential_is_as_faithful_as_the_whole_model_reference():
-    """On the default model: calibrating each layer on the quantized prefix's outputs keeps
-    top-1 agreement and KL against the float model at least as good as the whole-model
-    calibration (float inputs everywhere), on held-out text neither calibrated on."""
+    """On the default model with the default calibration: calibrating each layer on the
+    quantized prefix's outputs keeps top-1 agreement and KL against the float model at least
+    as good as the whole-model calibration (float inputs everywhere), on 6,000 held-out
+    tokens neither calibrated on (measured 97.0% / 0.00312 against 96.7% / 0.00316; with a
+    quarter of the calibration tokens the quantized inputs lost 0.8 points of top-1)."""
     from quasar.data.calibration import calibration_texts
     from quasar.eval.fidelity import compare_models
 
     loaded = load_model("default")
     held_out = "\n".join(calibration_texts(part="heldout").values())
-    ids = loaded.tokenizer.encode(held_out)[:3000]
+    ids = loaded.tokenizer.encode(held_out)[:6000]
     scores = {}
     for mode in ("quantized", "float"):
-        q = build_w8a8(loaded.model, loaded.tokenizer, samples=8, seq_len=256, propagate=mode, progress=False)
+        q = build_w8a8(loaded.model, loaded.tokenizer, propagate=mode, progress=False)
         scores[mode] = compare_models(loaded.model, q, ids, window=512)
     seq, ref = scores["quantized"], scores["float"]
     assert seq["top1_agreement"] >= ref["top1_agreement"] - 0.002, scores
