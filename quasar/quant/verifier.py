@@ -24,7 +24,7 @@ from quasar.models.llama import Transformer
 from quasar.paths import cache_dir
 from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from quasar.quant.options import (DEFAULT_ALPHA, DEFAULT_DOWN_ACT_BITS, DEFAULT_GPTQ, DEFAULT_LM_HEAD, DEFAULT_ROTATE,
-                                  DEFAULT_SMOOTH_O_DOWN, check_options)
+                                  DEFAULT_SMOOTH_O_DOWN)
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -77,21 +77,17 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
     default model) straight into the cache; later calls with the same model and options
     load that checkpoint. The float model is never loaded for this.
     """
-    from quasar.quant.int8 import set_backend
+    from quasar.quant.options import QuantOptions
     from quasar.quant.quantize import build_w8a8, quantize_to_dir
 
     if unknown:
         raise QuasarError(f"unknown quantization option {sorted(unknown)[0]!r}; known: alpha, lm_head, "
                           "smooth_o_down, calib, samples, seq_len, rotate, gptq, backend, down_act_bits, cache, progress")
-    alpha = check_options(alpha, lm_head, backend, down_act_bits)
-    if samples < 1 or seq_len < 2:
-        raise QuasarError(f"need samples >= 1 and seq_len >= 2, got {samples} and {seq_len}")
+    alpha = QuantOptions(alpha=alpha, lm_head=lm_head, backend=backend, down_act_bits=down_act_bits,
+                         samples=samples, seq_len=seq_len).checked().alpha
     model_dir = Path(loaded.model_dir)
     if loaded.quantized:
-        model = loaded.model
-        if backend != "auto":
-            set_backend(model, backend)
-        return model
+        return _with_backend(loaded.model, backend)
     if progress is None:
         progress = sys.stderr.isatty()
     text, digest = _calib_text(calib)
@@ -128,9 +124,13 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
 
 def _load(target: Path, dtype: torch.dtype, backend: str) -> Transformer:
     from quasar.models.hf import load_hf_dir
+
+    return _with_backend(load_hf_dir(target, dtype), backend)
+
+
+def _with_backend(model: Transformer, backend: str) -> Transformer:
     from quasar.quant.int8 import set_backend
 
-    model = load_hf_dir(target, dtype)
     if backend != "auto":
         set_backend(model, backend)
     return model
