@@ -2,7 +2,10 @@
 
 An LLM holds the opened model (config and tokenizer; its float weights load only when a
 verifier that needs them, fp or pruned:F, is asked for) and, built on first use, each
-verifier; every verifier has its own static KV cache. One LLM decodes one request at a time.
+verifier; every verifier has its own static KV cache with `max_batch` sequence slots.
+`generate` / `stream` decode one prompt; `generate_batch` decodes many together, one
+verifier step for all (quasar.speculative.batch), with the same tokens each would get
+alone. One call at a time uses an LLM's verifiers (`lock`).
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from dataclasses import dataclass
 import torch
 
 import quasar.quant  # noqa: F401  (registers the W8A8 checkpoint format with the model loader)
-from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_CONTEXT, DEFAULT_DRAFT_BUDGET, DEFAULT_DRAFTER,
-                             DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
+from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_BATCH_ROWS, DEFAULT_CONTEXT, DEFAULT_DRAFT_BUDGET,
+                             DEFAULT_DRAFTER, DEFAULT_MAX_BATCH, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
+                             DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
 from quasar.speculative.registry import drafter_class, drafter_options, make_drafter
-from quasar.speculative.generate import Chunk, DecodeOptions, Result, decode
+from quasar.speculative.batch import BatchDecoder, decode
+from quasar.speculative.drafters import Drafter
+from quasar.speculative.generate import Chunk, DecodeOptions, Result
 from quasar.speculative.sampling import SamplingParams
 from quasar.speculative.verifiers import build_verifier, parse_verifier
 
@@ -59,7 +65,9 @@ class LLM:
 
     def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str = DEFAULT_DRAFTER,
                  verifier: str = DEFAULT_VERIFIER, max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
-                 quant_options: dict | None = None):
+                 quant_options: dict | None = None, max_batch: int = DEFAULT_MAX_BATCH):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 64:
+            raise QuasarError(f"max_batch must be an integer in [1, 64], got {max_batch!r}", param="max_batch")
         if threads:
             torch.set_num_threads(threads)
         parse_verifier(verifier)
@@ -69,9 +77,15 @@ class LLM:
         self.config = self.loaded.config
         self.drafter, self.verifier, self.dtype = drafter, verifier, dtype
         self.max_context = min(max_context, self.config.max_position_embeddings)
+        self.max_batch = max_batch
         self.quant_options = quant_options or {}
         self._verifiers: dict[str, Transformer] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while a call uses the verifiers and their caches (one user at a time)."""
+        return self._lock
 
     @property
     def model(self) -> Transformer:
@@ -83,11 +97,11 @@ class LLM:
         compiled or loaded) and warmed up with one step, once."""
         if name not in self._verifiers:
             model = build_verifier(name, lambda: self.model, self._w8a8)
-            model.setup_cache(self.max_context)
+            model.setup_cache(self.max_context, n_slots=self.max_batch)
             # One step now, so one-time work (loading the int8 kernels, packing weights) is
             # not timed as decoding later.
             model(torch.zeros((1, 1), dtype=torch.long, device=model.model.norm.weight.device), logits="last")
-            model.cache.length = 0
+            model.cache.lengths = [0] * self.max_batch
             self._verifiers[name] = model
         return self._verifiers[name]
 
@@ -157,6 +171,20 @@ class LLM:
             opts.num_draft, opts.adaptive = draft_budget, False
         return DecodePlan(drafter, verifier, options, opts)
 
+    def new_drafter(self, plan: DecodePlan) -> Drafter:
+        """A fresh drafter for one sequence of `plan`."""
+        return make_drafter(plan.drafter, **plan.drafter_options)
+
+    def encode_checked(self, prompt: str | list[dict] | None, prompt_ids: list[int] | None, raw: bool) -> list[int]:
+        ids = prompt_ids if prompt_ids is not None else self.encode(prompt, raw)
+        if len(ids) >= self.max_context:
+            raise QuasarError(f"prompt has {len(ids)} tokens; the context holds {self.max_context}")
+        return ids
+
+    def batch_decoder(self, verifier: str, slots: list[int] | None = None) -> BatchDecoder:
+        """A BatchDecoder over `verifier`'s cache slots (all by default); hold `lock` while using it."""
+        return BatchDecoder(self.verifier_model(verifier), self.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS)
+
     def stream(self, prompt: str | list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                raw: bool = False, **options) -> Iterator[Chunk | Result]:
         """Yield a Chunk per verifier step, then the Result (see `quasar.speculative.generate`).
@@ -164,10 +192,8 @@ class LLM:
         `options` are those of `check_options`.
         """
         plan = self.check_options(**options)
-        ids = prompt_ids if prompt_ids is not None else self.encode(prompt, raw)
-        if len(ids) >= self.max_context:
-            raise QuasarError(f"prompt has {len(ids)} tokens; the context holds {self.max_context}")
-        draft = make_drafter(plan.drafter, **plan.drafter_options)
+        ids = self.encode_checked(prompt, prompt_ids, raw)
+        draft = self.new_drafter(plan)
         with self._lock:
             model = self.verifier_model(plan.verifier)
             yield from decode(model, self.tokenizer, ids, draft, plan.options)
@@ -178,6 +204,32 @@ class LLM:
         for item in self.stream(prompt, **options):
             if isinstance(item, Result):
                 result = item
+        return self._generation_result(result, options)
+
+    def generate_batch(self, prompts: list, *, raw: bool = False, **options) -> list[GenerationResult]:
+        """Decode every prompt (a string or a list of messages) to the end, up to `max_batch`
+        at a time in one verifier step; the results are in prompt order, each with the tokens
+        `generate` gives it alone. `options` are those of `check_options`, for every prompt."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise QuasarError("prompts must be a non-empty list of prompts")
+        plan = self.check_options(**options)
+        ids = [self.encode_checked(p, None, raw) for p in prompts]
+        results: list[Result | None] = [None] * len(ids)
+        todo = list(range(len(ids)))[::-1]
+        with self._lock:
+            batch = self.batch_decoder(plan.verifier)
+            while todo or batch.n_running:
+                while todo and batch.n_free:
+                    i = todo.pop()
+                    batch.add(i, ids[i], self.new_drafter(plan), plan.options)
+                for i, item in batch.step():
+                    if isinstance(item, Exception):
+                        raise item
+                    if isinstance(item, Result):
+                        results[i] = item
+        return [self._generation_result(r, options) for r in results]
+
+    def _generation_result(self, result: Result, options: dict) -> GenerationResult:
         drafter = options.get("drafter") or self.drafter
         verifier = options.get("verifier") or self.verifier
         return GenerationResult(result.text, result.token_ids, result.finish_reason, drafter, verifier,

@@ -16,3 +16,9 @@ DEFAULT_ADAPTIVE = True
 # (default model) 8 rows cost 1.45x one row and 16 rows 2.3x, so 6 nodes (7 rows).
 DEFAULT_DRAFT_BUDGET = 6
 DEFAULT_RECYCLE_TOP_K = 8
+# Continuous batching (server and LLM.generate_batch): sequences decoded together, and the
+# rows a batched verifier step aims for (greedy drafts are shortened to fit; see
+# quasar.speculative.batch): 16 rows are one pass of the fused step's GEMMs over the
+# weights, more rows a second pass.
+DEFAULT_MAX_BATCH = 8
+DEFAULT_BATCH_ROWS = 16

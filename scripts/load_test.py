@@ -7,13 +7,16 @@ Either point it at a running server on this machine:
 
 or let it start one in-process on 127.0.0.1 (an OS-chosen port) for a model:
 
-    python scripts/load_test.py --model default --drafter ngram --verifier fp --threads 2
+    python scripts/load_test.py --model default --threads 2 --stream --max-tokens 128 \
+        --concurrency 1,4,8 --requests 8,64,128
 
-It sends `--requests` chat (or, with `--completions`, completion) requests from
-`--concurrency` client threads, stops issuing new ones after `--time-limit` seconds, and
-reports requests/s, p50/p95/max latency (and time to first token with `--stream`),
-generated tokens/s, the mean acceptance length reported by the server, and errors by
-status. Greedy decoding (temperature 0) unless `--temperature` is given.
+For each `--concurrency` level (a comma-separated list runs them one after another against
+the same server, with `--requests` per level, one number or one per level) it sends chat
+(or, with `--completions`, completion) requests from that many client threads, stops issuing
+new ones after `--time-limit` seconds, and reports requests/s, p50/p95/max latency (and time
+to first token with `--stream`), aggregate generated tokens/s, the mean acceptance length
+reported by the server, and errors by status; with several levels, each level's tokens/s
+relative to the first. Greedy decoding (temperature 0) unless `--temperature` is given.
 """
 
 from __future__ import annotations
@@ -191,18 +194,18 @@ def make_body(args, prompt) -> tuple[str, dict]:
     return path, body
 
 
-def run_load(args, host: str, port: int) -> Report:
+def run_load(args, host: str, port: int, concurrency: int, requests: int, warmup: int) -> Report:
     prompts = load_prompts(args)
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
-    for i in range(args.warmup):
+    for i in range(warmup):
         path, body = make_body(args, prompts[i % len(prompts)])
         o = one_request(host, port, path, body, headers, args.stream, args.time_limit)
         if not o.ok:
             raise SystemExit(f"error: warm-up request failed ({o.status}): {o.error}")
     report, lock = Report(), threading.Lock()
-    counter = iter(range(args.requests))
+    counter = iter(range(requests))
     t0 = time.perf_counter()
     deadline = t0 + args.time_limit
 
@@ -220,8 +223,8 @@ def run_load(args, host: str, port: int) -> Report:
             with lock:
                 report.outcomes.append(o)
 
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        for f in [pool.submit(worker) for _ in range(args.concurrency)]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
     report.wall_s = time.perf_counter() - t0
     return report
@@ -232,10 +235,11 @@ def start_local_server(args):
     from quasar.api import LLM
     from quasar.server.app import BackgroundServer, create_app
 
-    llm = LLM(args.model, drafter=args.drafter or "ngram", verifier=args.verifier or "fp",
-              max_context=args.max_context, threads=args.threads)
-    app = create_app(llm, api_key=args.api_key, max_queue=max(args.max_queue, args.concurrency),
-                     num_draft=args.num_draft if args.num_draft is not None else 5)
+    defaults = {k: v for k, v in (("drafter", args.drafter), ("verifier", args.verifier)) if v is not None}
+    llm = LLM(args.model, max_context=args.max_context, threads=args.threads, max_batch=args.max_batch, **defaults)
+    app = create_app(llm, api_key=args.api_key, max_queue=max(args.max_queue, max(args.levels)),
+                     **({"num_draft": args.num_draft} if args.num_draft is not None else {}))
+    app.state.scheduler.call(lambda: llm.prepare(progress=sys.stderr.isatty()))  # on the engine's thread
     return BackgroundServer(app, "127.0.0.1", 0).start()
 
 
@@ -244,8 +248,12 @@ def main(argv=None) -> int:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server on this machine, e.g. http://127.0.0.1:8000")
     target.add_argument("--model", help="start an in-process server on 127.0.0.1 for this model ('default', path)")
-    p.add_argument("--requests", type=int, default=40, help=f"requests to send (at most {MAX_REQUESTS})")
-    p.add_argument("--concurrency", type=int, default=4, help=f"client threads (at most {MAX_CONCURRENCY})")
+    p.add_argument("--requests", default="40",
+                   help=f"requests to send per level: one number, or one per --concurrency level (each at most "
+                        f"{MAX_REQUESTS})")
+    p.add_argument("--concurrency", default="4",
+                   help=f"client threads: one number, or a comma-separated list of levels run in turn (each at most "
+                        f"{MAX_CONCURRENCY})")
     p.add_argument("--time-limit", type=float, default=120.0,
                    help=f"stop issuing requests after this many seconds (at most {MAX_TIME_LIMIT:g})")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests sent first")
@@ -265,11 +273,21 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="with --model: torch threads")
     p.add_argument("--max-context", type=int, default=2048, help="with --model: context length")
     p.add_argument("--max-queue", type=int, default=64, help="with --model: the server's queue bound")
+    p.add_argument("--max-batch", type=int, default=8, help="with --model: sequences the server decodes together")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
-    if not 1 <= args.requests <= MAX_REQUESTS:
+    try:
+        args.levels = [int(x) for x in args.concurrency.split(",")]
+        counts = [int(x) for x in args.requests.split(",")]
+    except ValueError:
+        p.error("--concurrency and --requests take integers, or comma-separated lists of them")
+    if len(counts) == 1:
+        counts *= len(args.levels)
+    if len(counts) != len(args.levels):
+        p.error("--requests needs one number, or one per --concurrency level")
+    if not all(1 <= n <= MAX_REQUESTS for n in counts):
         p.error(f"--requests must be in 1..{MAX_REQUESTS}")
-    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+    if not all(1 <= c <= MAX_CONCURRENCY for c in args.levels):
         p.error(f"--concurrency must be in 1..{MAX_CONCURRENCY}")
     if not 0 < args.time_limit <= MAX_TIME_LIMIT:
         p.error(f"--time-limit must be in (0, {MAX_TIME_LIMIT:g}]")
@@ -282,27 +300,37 @@ def main(argv=None) -> int:
     else:
         server = start_local_server(args)
         host, port = "127.0.0.1", server.port
+    summaries = []
     try:
-        report = run_load(args, host, port)
+        for i, (concurrency, requests) in enumerate(zip(args.levels, counts)):
+            report = run_load(args, host, port, concurrency, requests, args.warmup if i == 0 else 0)
+            s = report.summary()
+            s.update(concurrency=concurrency, max_tokens=args.max_tokens, stream=args.stream)
+            if summaries and summaries[0]["tokens_per_s"]:
+                s["tokens_per_s_vs_first"] = round(s["tokens_per_s"] / summaries[0]["tokens_per_s"], 2)
+            summaries.append(s)
+            if not args.json:
+                print_summary(s, args)
     finally:
         if server is not None:
             server.stop()
-    s = report.summary()
-    s.update(concurrency=args.concurrency, max_tokens=args.max_tokens, stream=args.stream)
     if args.json:
-        print(json.dumps(s))
-    else:
-        print(f"{s['ok']}/{s['requests']} ok in {s['wall_s']:.2f} s with {args.concurrency} clients "
-              f"({'stream' if args.stream else 'no stream'}, max_tokens {args.max_tokens})")
-        print(f"  requests/s        {s['requests_per_s']:.2f}")
-        print(f"  latency p50/p95   {s['latency_p50_s']} / {s['latency_p95_s']} s (max {s['latency_max_s']} s)")
-        if args.stream:
-            print(f"  first token p50/p95 {s['ttft_p50_s']} / {s['ttft_p95_s']} s")
-        print(f"  generated tokens  {s['completion_tokens']} ({s['tokens_per_s']:.1f} tokens/s overall)")
-        print(f"  mean acceptance   {s['mean_acceptance_length']}")
-        print(f"  errors            {s['errors']} {s['errors_by_kind'] or ''}"
-              + (f"; {s['not_started_time_limit']} not sent (time limit)" if s["not_started_time_limit"] else ""))
-    return 1 if s["errors"] else 0
+        print(json.dumps(summaries[0] if len(summaries) == 1 else summaries))
+    return 1 if any(s["errors"] for s in summaries) else 0
+
+
+def print_summary(s: dict, args) -> None:
+    print(f"{s['ok']}/{s['requests']} ok in {s['wall_s']:.2f} s with {s['concurrency']} clients "
+          f"({'stream' if args.stream else 'no stream'}, max_tokens {args.max_tokens})")
+    print(f"  requests/s        {s['requests_per_s']:.2f}")
+    print(f"  latency p50/p95   {s['latency_p50_s']} / {s['latency_p95_s']} s (max {s['latency_max_s']} s)")
+    if args.stream:
+        print(f"  first token p50/p95 {s['ttft_p50_s']} / {s['ttft_p95_s']} s")
+    ratio = f", {s['tokens_per_s_vs_first']}x the first level" if "tokens_per_s_vs_first" in s else ""
+    print(f"  generated tokens  {s['completion_tokens']} ({s['tokens_per_s']:.1f} tokens/s overall{ratio})")
+    print(f"  mean acceptance   {s['mean_acceptance_length']}")
+    print(f"  errors            {s['errors']} {s['errors_by_kind'] or ''}"
+          + (f"; {s['not_started_time_limit']} not sent (time limit)" if s["not_started_time_limit"] else ""))
 
 
 if __name__ == "__main__":

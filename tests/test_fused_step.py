@@ -71,6 +71,7 @@ def fused_calls(q):
         calls.append(y is not None)
         return y
 
+    spy.max_rows = kernel.max_rows  # prefill chunks take the same path as without the spy
     q.step_kernel = spy
     try:
         yield calls
@@ -224,7 +225,8 @@ def test_greedy_tree_decoding_equals_autoregressive(models, default_model_dir, a
     """The tree drafter on the fused W8A8 step changes no token of greedy decoding."""
     from quasar.models.tokenizer import Tokenizer
     from quasar.speculative.drafters import NoDrafter
-    from quasar.speculative.generate import DecodeOptions, Result, decode
+    from quasar.speculative.batch import decode
+    from quasar.speculative.generate import DecodeOptions, Result
     from quasar.speculative.tree_drafter import TreeDrafter
 
     _, q, ids = models[arch]
@@ -241,3 +243,39 @@ def test_greedy_tree_decoding_equals_autoregressive(models, default_model_dir, a
         tree = run(TreeDrafter(budget=budget), budget)
         assert tree.token_ids == ar.token_ids, budget
         assert tree.stats.accepted > 0 and tree.stats.steps < ar.stats.steps
+
+
+@pytest.mark.parametrize("arch,long", [("qwen3", False), ("llama", True)])
+def test_batch_rows_are_bitwise_each_sequence_alone(models, arch, long):
+    """One fused step over several cache slots (chains, trees and a bare pending token, of
+    different lengths) gives each row bitwise the logits of its own sequence decoded alone,
+    and writes each slot's K/V where a one-slot step would."""
+    _, q, ids = models[arch]
+    if long:
+        ids = long_ids(ids)
+    prompts = [ids, ids[: len(ids) // 2], ids[3:] + ids[:5], ids[:7]]
+    trees = [random_tree(5, 5, 1000 + i) for i in range(4)]
+    trees[1] = ([], [])  # a sequence without drafts
+    trees[2] = ([41, 42, 43], [-1, 0, 1])  # a chain
+    q.setup_cache(256, n_slots=len(prompts))
+    for slot, p in enumerate(prompts):
+        q(torch.tensor([p[:-1]]), logits="none", slot=slot)
+    tokens, slots, parents = [], [], []
+    for slot, (p, (t, par)) in enumerate(zip(prompts, trees)):
+        base = len(tokens)
+        tokens += [p[-1], *t]
+        slots += [slot] * (len(t) + 1)
+        parents += [-1, *(base + 1 + x if x >= 0 else base for x in par)]
+    rows = Rows.build(tokens, slots, parents, q.cache.lengths)
+    with fused_calls(q) as calls:
+        got = q.step(rows)
+    assert calls == [True], "the batch step did not run fused"
+    k_batch, v_batch = q.cache.k.clone(), q.cache.v.clone()
+    row = 0
+    for slot, (p, (t, par)) in enumerate(zip(prompts, trees)):
+        alone, one = tree_step(q, p, t, par)
+        assert torch.equal(got[row:row + len(t) + 1], alone), slot
+        n = len(p) + len(t)  # its prompt but the pending token, then the step's rows
+        assert torch.equal(k_batch[:, slot, :, :n], q.cache.k[:, 0, :, :n]), slot
+        assert torch.equal(v_batch[:, slot, :, :n], q.cache.v[:, 0, :, :n]), slot
+        row += len(t) + 1

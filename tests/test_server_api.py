@@ -224,7 +224,7 @@ def test_metrics_expose_waiting_running_and_batch_size(server):
     next(stream), next(stream)  # the role chunk, then the first text: the request is being decoded
     assert _gauge(server, "quasar_requests_running") == 1 and _gauge(server, "quasar_batch_size") == 1
     stream.close()
-    assert wait_for(lambda: engine.current is None)
+    assert wait_for(lambda: engine.running == 0)
     assert _gauge(server, "quasar_requests_running") == 0 and _gauge(server, "quasar_batch_size") == 0
 
     engine.pause()

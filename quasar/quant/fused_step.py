@@ -6,14 +6,15 @@ than in reading its int8 weights. ``csrc/decoder_layer.cpp`` runs each
 layer's glue as plain loops between the same VNNI GEMMs Int8Linear uses;
 :class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or
 forked) and the model calls it for every verifier step (``Transformer.step``, and chains of
-up to ``ROW_INVARIANT_MAX_T`` tokens); it takes a chain or a token tree of up to ``MAX_ROWS``
-rows in a one-slot cache (each row attends to the committed cache, then to its path) and
-returns None for other steps (batches of several slots), which run the modules.
+up to ``ROW_INVARIANT_MAX_T`` tokens); it takes up to ``MAX_ROWS`` rows of chains or token
+trees in one or more cache slots (each row attends to its slot's committed cache, then to
+its path; a batch of sequences is one call) and returns None for longer steps, which run
+the modules.
 
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
-whether it is verified alone or with drafts (greedy speculative == greedy autoregressive
-stays exact). The layer is not bitwise the PyTorch path (summation order, a polynomial
-exp): its logits are close, which tests check. Prefills longer than the step limit take
+whether it is verified alone, with drafts or beside other sequences (greedy speculative ==
+greedy autoregressive stays exact, in a batch too). The layer is not bitwise the PyTorch
+path (summation order, a polynomial exp): its logits are close, which tests check. Prefills longer than the step limit take
 the PyTorch path; both write the same KV cache layout.
 
 It applies when every decoder linear is an ``Int8Linear`` on the ``cpu`` backend, the
@@ -26,6 +27,7 @@ an Int8Linear is repacked (call ``Int8Linear.repack()`` after editing weights in
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -48,30 +50,40 @@ class FusedW8A8Step:
     """``step(x, cos, sin, cache, rows)`` -> the hidden states after all decoder layers,
     or None when the fused layer does not apply (then run the modules)."""
 
+    max_rows = MAX_ROWS  # the model also sends it prefill chunks up to this length
+
     def __init__(self, model: nn.Module):
         self.model = model
         self._op: Any = None
         self._plan: tuple[list, ...] | None = None  # flat per-layer argument lists of the op
-        self._watch: list[tuple[dict, str, Any]] = []  # (owner dict, key, object) to recheck
+        # What to recheck before each step, as columns: (owner dicts, keys, objects)
+        self._watch: tuple[tuple, tuple, tuple] = ((), (), ())
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, rows) -> Tensor | None:
-        # The op runs one tree (a chain included) of up to MAX_ROWS rows in a one-slot cache.
-        if not (cache.n_slots == 1 and len(rows) <= MAX_ROWS):
+        # The op runs up to MAX_ROWS rows: chains or trees, in one or more cache slots.
+        if len(rows) > MAX_ROWS:
             return None
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1 or cache.k.dtype != torch.float32:
             return None
-        if self._plan is None or not all(d.get(k) is v for d, k, v in self._watch):
+        if self._plan is None or not self._unchanged():
             if not self._build():
                 return None
         cfg = self.model.config
         norms, weights, scales, biases, comps, act_bits = self._plan
-        start = rows.starts[rows.slots[0]]
-        return self._op(x.contiguous(), cos, sin, cache.k, cache.v, start, rows.parents, norms, cfg.rms_norm_eps,
+        starts = [rows.starts[s] for s in rows.slots]
+        return self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, norms,
+                        cfg.rms_norm_eps,
                         weights, scales, biases, comps, act_bits, cfg.num_heads, cfg.num_kv_heads)
+
+    def _unchanged(self) -> bool:
+        """Every watched object is still in place: ~1,500 identity checks at 30 layers, run
+        with map() so a step spends microseconds on them, not a millisecond."""
+        dicts, keys, objects = self._watch
+        return all(map(operator.is_, map(dict.get, dicts, keys), objects))
 
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
-        self._plan, self._watch = None, []
+        self._plan, self._watch = None, ((), (), ())
         from quasar.quant import ext
 
         self._op = ext.decoder_layer_op()
@@ -122,7 +134,7 @@ class FusedW8A8Step:
             if attn.qk_norm:
                 watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
             norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
-        self._plan, self._watch = (norms, weights, scales, biases, comps, act_bits), watch
+        self._plan, self._watch = (norms, weights, scales, biases, comps, act_bits), tuple(zip(*watch))
         return True
 
 

@@ -8,8 +8,8 @@ an error the scheduler finds (an unavailable verifier, say) still gets a proper 
 even for a streamed request. A client that goes away, while waiting or mid-stream, sets
 the job's cancel flag; the scheduler stops within one verifier step.
 
-A request for `n` choices is one scheduler job that decodes them one after another; its
-chunks arrive choice by choice, each with its `index`. Every response carries a `quasar`
+A request for `n` choices is one scheduler job: n sequences decoded side by side in the
+engine's batch; their chunks interleave, each with its `index`. Every response carries a `quasar`
 object (drafter, verifier, verifier steps, mean acceptance length, tokens/s, ..., summed
 over the choices; a streamed choice's final chunk has its own); every streamed chunk carries
 `quasar: {"pieces": [[text, from_draft], ...], "tokens", "steps", "accepted"}`, the
@@ -138,10 +138,12 @@ class _JobStream(StreamingResponse):
 def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_name: str | None = None,
                num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
                ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE,
-               draft_budget: int = DEFAULT_DRAFT_BUDGET, default_max_tokens: int = 1024, metrics: ServerMetrics | None = None) -> FastAPI:
-    """An app serving `llm` (a `quasar.api.LLM`). The drafter/verifier defaults are the LLM's own."""
+               draft_budget: int = DEFAULT_DRAFT_BUDGET, default_max_tokens: int = 1024, metrics: ServerMetrics | None = None,
+               max_batch: int | None = None) -> FastAPI:
+    """An app serving `llm` (a `quasar.api.LLM`). The drafter/verifier defaults are the LLM's
+    own; up to `max_batch` sequences (default: the LLM's) decode together."""
     metrics = metrics or ServerMetrics()
-    scheduler = Scheduler(llm, max_queue=max_queue, metrics=metrics).start()
+    scheduler = Scheduler(llm, max_queue=max_queue, metrics=metrics, max_batch=max_batch).start()
     served = model_name or _model_name(llm)
     defaults = dict(drafter=llm.drafter, verifier=llm.verifier, num_draft=num_draft, ngram_min=ngram_min,
                     ngram_max=ngram_max, adaptive=adaptive, draft_budget=draft_budget)
@@ -205,7 +207,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
     async def health():
         ok = scheduler.alive
         body = {"status": "ok" if ok else "unavailable", "model": served, "queue_depth": scheduler.queue_depth,
-                "max_queue": scheduler.max_queue, "running": scheduler.current is not None,
+                "max_queue": scheduler.max_queue, "running": scheduler.running,
                 "completed": scheduler.completed, "defaults": defaults, "max_context": llm.max_context}
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -11,6 +11,7 @@ import ipaddress
 import os
 import sys
 
+from quasar.defaults import DEFAULT_MAX_BATCH
 from quasar.errors import QuasarError
 
 
@@ -30,6 +31,9 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUASAR_API_KEY if set)")
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests allowed to wait for the engine; more are answered 429 at once")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"sequences decoded together in one verifier step (default {DEFAULT_MAX_BATCH}); "
+                        "each has its own slot in the KV cache")
     p.add_argument("--max-context", type=int, default=None, help="context length in tokens (default: 8192 "
                                                                    "or the model's, whichever is smaller)")
     p.add_argument("--default-max-tokens", type=int, default=1024,
@@ -46,6 +50,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise QuasarError(f"--port must be in 1..65535, got {args.port}")
     if args.max_queue < 1:
         raise QuasarError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if not 1 <= args.max_batch <= 64:
+        raise QuasarError(f"--max-batch must be in 1..64, got {args.max_batch}")
     if args.default_max_tokens < 1:
         raise QuasarError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if args.max_context is not None and args.max_context < 2:
@@ -100,15 +106,21 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it",
               file=sys.stderr)
     llm = LLM(args.model, dtype=args.dtype, drafter=args.drafter, verifier=args.verifier,
-              max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads)
-    # The weights load lazily: build the default verifier before listening, so bad weights
-    # fail here and the first request is not the one that waits for them.
-    llm.prepare(progress=sys.stderr.isatty())
+              max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads, max_batch=args.max_batch)
     app = create_app(llm, api_key=api_key, max_queue=args.max_queue, model_name=args.served_model_name,
                      num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                      adaptive=args.adaptive, draft_budget=args.draft_budget, default_max_tokens=args.default_max_tokens)
+    # The weights load lazily: build the default verifier before listening, so bad weights
+    # fail here and the first request is not the one that waits for them; on the engine's
+    # thread, which does all of the model's work (Scheduler.call).
+    try:
+        app.state.scheduler.call(lambda: llm.prepare(progress=sys.stderr.isatty()))
+    except BaseException:
+        app.state.scheduler.stop()
+        raise
     url_host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"quasar: serving {app.state.model_name} ({args.drafter}+{args.verifier}, k={args.num_draft}) at "
+    print(f"quasar: serving {app.state.model_name} ({args.drafter}+{args.verifier}, k={args.num_draft}, "
+          f"batch {args.max_batch}) at "
           f"http://{url_host}:{args.port}/  (playground at /, API at /v1)", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)

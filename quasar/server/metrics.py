@@ -189,8 +189,8 @@ class ServerMetrics:
                                       "Decode speed of each finished generation",
                                       (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
         self.waiting = Gauge(r, "quasar_requests_waiting", "Requests queued for the engine")
-        self.running = Gauge(r, "quasar_requests_running", "Requests being decoded (0 or 1: one at a time)")
-        self.batch_size = Gauge(r, "quasar_batch_size", "Sequences in the engine's verifier step (0 idle, 1 decoding)")
+        self.running = Gauge(r, "quasar_requests_running", "Requests being decoded (their sequences share the engine's batch)")
+        self.batch_size = Gauge(r, "quasar_batch_size", "Sequences in the engine's last verifier step (0 when idle)")
 
     def render(self) -> str:
         return self.registry.render()

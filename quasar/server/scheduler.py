@@ -1,31 +1,40 @@
-"""The scheduler: a bounded queue in front of one worker thread that owns the LLM.
+"""The scheduler: a bounded queue in front of one worker thread that owns the LLM and
+decodes up to `max_batch` sequences together (continuous batching).
 
-An `LLM` decodes one request at a time, so the server never runs two generations at once:
-requests wait in a FIFO queue of at most `max_queue` entries (beyond the one being
-decoded) and a request that finds it full is refused at once (`QueueFull`, HTTP 429).
+Requests wait in a FIFO queue of at most `max_queue` entries; a request that finds it full
+is refused at once (`QueueFull`, HTTP 429). Between verifier steps the worker admits
+waiting requests while sequence slots are free, and a finished or cancelled one leaves at
+once. Each verifier (w8a8, fp, ...) has its own `BatchDecoder` over its own KV cache; a step
+advances every sequence of every decoder by one verifier step (prompts are prefilled a
+bounded number of tokens per step, so a long prompt does not stall the others). A
+sequence's tokens are the same whether it decodes alone or beside others
+(quasar.speculative.batch).
 
-A job asks for `n` independent choices of one prompt (OpenAI's `n`), decoded one after
-another; choice i samples with seed + i when the request has a seed, so every choice is
+A job asks for `n` choices of one prompt (OpenAI's `n`): n sequences that share one
+prefill; choice i samples with seed + i when the request has a seed, so every choice is
 reproducible and greedy choices are identical. Each job reports back through
 `on_event(kind, payload)`, called from the worker thread: `("chunk", (i, Chunk))` per
-verifier step and `("choice", (i, Result))` as choice i ends, then exactly one of
-`("result", [Result per choice])`, `("error", Exception)` or `("cancelled", None)`. A job's
-`cancel` event is checked between verifier steps (and before a queued job starts), so a
-client that goes away stops its generation within one step. Any failure is confined to
-its own job: the worker catches everything, reports it, and goes on with the next request.
+verifier step of choice i and `("choice", (i, Result))` as choice i ends, then exactly one
+of `("result", [Result per choice])`, `("error", Exception)` or `("cancelled", None)`. A
+job's `cancel` event is checked between verifier steps (and before a queued job starts),
+so a client that goes away stops its generation within one step. Any failure is confined
+to its own job: the worker catches everything, reports it, and goes on with the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from quasar.defaults import DEFAULT_MAX_BATCH
 from quasar.errors import QuasarError
 from quasar.server.metrics import ServerMetrics
 from quasar.speculative.generate import Chunk, Result
@@ -46,9 +55,9 @@ class SchedulerClosed(Exception):
 @dataclass
 class Job:
     prompt_ids: list[int]
-    options: dict  # keyword arguments for LLM.stream (besides prompt_ids)
+    options: dict  # keyword arguments for LLM.check_options
     on_event: EventSink
-    n: int = 1  # independent choices of the same prompt
+    n: int = 1  # choices of the same prompt
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     cancel: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
@@ -62,17 +71,38 @@ class Job:
         return (self.started or time.perf_counter()) - self.created
 
 
+@dataclass
+class _Running:
+    """A job the worker has taken: its plan, its choices' results, the choices in a batch."""
+
+    job: Job
+    plan: Any  # quasar.api.DecodePlan
+    results: list[Result | None]
+    next_choice: int = 0  # choices [0, next_choice) have been given a slot
+    live: set[int] = field(default_factory=set)
+    tokens: int = 0  # output tokens so far (reported when cancelled)
+    steps: int = 0
+
+    @property
+    def labels(self) -> dict:
+        return {"drafter": self.plan.drafter, "verifier": self.plan.verifier}
+
+
 class Scheduler:
-    def __init__(self, llm, max_queue: int = 32, metrics: ServerMetrics | None = None):
+    def __init__(self, llm, max_queue: int = 32, metrics: ServerMetrics | None = None,
+                 max_batch: int | None = None):
         if max_queue < 1:
             raise QuasarError(f"max_queue must be at least 1, got {max_queue}")
         self.llm, self.max_queue = llm, max_queue
+        self.max_batch = min(max_batch or getattr(llm, "max_batch", DEFAULT_MAX_BATCH), llm.max_batch)
         self.metrics = metrics or ServerMetrics()
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._paused = False
         self._closed = False
-        self.current: Job | None = None
+        self._running: dict[str, _Running] = {}  # job id -> state, in admission order
+        self._batches: dict[str, Any] = {}  # verifier name -> its BatchDecoder
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # see `call`
         self.completed = 0
         self._thread = threading.Thread(target=self._loop, name="quasar-scheduler", daemon=True)
 
@@ -87,8 +117,8 @@ class Scheduler:
         with self._cond:
             self._closed = True
             pending, self._pending = list(self._pending), deque()
-            if self.current is not None:
-                self.current.cancel.set()
+            for run in list(self._running.values()):
+                run.job.cancel.set()
             self._cond.notify_all()
         self.metrics.waiting.set(0)
         for job in pending:
@@ -96,8 +126,24 @@ class Scheduler:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the worker thread between steps and return its result (or raise).
+
+        Use it for model work outside requests (building a verifier before serving): every
+        torch computation of the LLM stays on one thread. A second thread running OpenMP
+        regions gives libgomp more threads than cores, after which its workers sleep
+        between regions instead of spinning, and a decode step (hundreds of small parallel
+        regions) takes about twice as long (measured on the 2-core development machine)."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise SchedulerClosed("the server is shutting down")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future.result()
+
     def pause(self) -> None:
-        """Stop starting new jobs (the running one finishes); queued jobs wait. For maintenance and tests."""
+        """Stop admitting new jobs (running ones go on); queued jobs wait. For maintenance and tests."""
         with self._cond:
             self._paused = True
 
@@ -110,6 +156,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         with self._cond:
             return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Jobs being decoded now."""
+        return len(self._running)
 
     @property
     def alive(self) -> bool:
@@ -131,21 +182,169 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (self._paused or not self._pending):
+                while not self._closed and not self._running and not self._calls and \
+                        (self._paused or not self._pending):
                     self._cond.wait()
                 if self._closed:
-                    return
+                    break
+                calls, self._calls = list(self._calls), deque()
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+            try:
+                self._admit()
+                self._drop_cancelled()
+                self._step()
+            except BaseException:  # never let the worker die
+                log.exception("engine: unexpected failure in the worker")
+                for run in list(self._running.values()):
+                    self._end(run, "error", RuntimeError("the engine failed"))
+        for run in list(self._running.values()):
+            self._end(run, "cancelled", None)
+        with self._cond:
+            calls, self._calls = list(self._calls), deque()
+        for _, future in calls:
+            future.set_exception(SchedulerClosed("the server is shutting down"))
+
+    def _live_sequences(self) -> int:
+        return sum(len(run.live) for run in self._running.values())
+
+    def _admit(self) -> None:
+        """Take waiting jobs while sequence slots are free, and give waiting choices slots."""
+        while True:
+            with self._cond:
+                if self._paused or not self._pending or self._live_sequences() >= self.max_batch or \
+                        any(run.next_choice < run.job.n for run in self._running.values()):
+                    break
                 job = self._pending.popleft()
                 self.metrics.waiting.set(len(self._pending))
-                self.current = job
-            try:
-                self._run(job)
-            except BaseException:  # never let the worker die; the job has been told already
-                log.exception("engine: unexpected failure around job %s", job.id)
-            finally:
-                with self._cond:
-                    self.current = None
-                    self.completed += 1
+            self._start(job)
+        for run in list(self._running.values()):
+            while run.next_choice < run.job.n and self._live_sequences() < self.max_batch:
+                if not self._add_choice(run):
+                    break
+
+    def _start(self, job: Job) -> None:
+        m = self.metrics
+        job.started = time.perf_counter()
+        m.queue_wait.observe(job.started - job.created)
+        if job.cancel.is_set():  # the client left while the job was queued
+            m.cancelled.inc()
+            self._emit(job, "cancelled", None)
+            self.completed += 1
+            return
+        try:
+            plan = self.llm.check_options(**job.options)
+            self._batch(plan.verifier)  # builds the verifier the first time
+        except Exception as e:
+            self._job_failed(job, e)
+            self.completed += 1
+            return
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        self._running[job.id] = _Running(job, plan, [None] * job.n)
+        self._update_gauges()
+
+    def _batch(self, verifier: str):
+        if verifier not in self._batches:
+            with self.llm.lock:
+                self._batches[verifier] = self.llm.batch_decoder(verifier, list(range(self.max_batch)))
+        return self._batches[verifier]
+
+    def _add_choice(self, run: _Running) -> bool:
+        """Give run's next choice a slot; False when its decoder has none free or the job failed."""
+        batch = self._batch(run.plan.verifier)
+        if not batch.n_free:
+            return False
+        index = run.next_choice
+        plan = run.plan
+        try:
+            options = plan.options
+            if index and plan.options.sampling.seed is not None:  # choice i samples with seed + i
+                options = _with_seed(plan.options, plan.options.sampling.seed + index)
+            batch.add((run.job.id, index), run.job.prompt_ids, self.llm.new_drafter(plan), options)
+        except Exception as e:
+            self._end(run, "error", e)
+            return False
+        run.next_choice += 1
+        run.live.add(index)
+        return True
+
+    def _drop_cancelled(self) -> None:
+        for run in list(self._running.values()):
+            if run.job.cancel.is_set():
+                m = self.metrics
+                m.cancelled.inc()
+                m.steps.inc(run.steps, **run.labels)
+                m.completion_tokens.inc(run.tokens)
+                self._end(run, "cancelled", None)
+
+    def _step(self) -> None:
+        """One step of every decoder with sequences in it; deliver what each sequence emitted."""
+        for batch in self._batches.values():
+            if not batch.n_running:
+                continue
+            self.metrics.batch_size.set(batch.n_decoding or batch.n_running)
+            with self.llm.lock:
+                items = batch.step()
+            for (job_id, index), item in items:
+                run = self._running.get(job_id)
+                if run is None:
+                    continue
+                if isinstance(item, Exception):
+                    self._end(run, "error", item)
+                elif isinstance(item, Chunk):
+                    self._chunk(run, index, item)
+                else:
+                    self._choice_done(run, index, item)
+        self._update_gauges()
+
+    def _chunk(self, run: _Running, index: int, chunk: Chunk) -> None:
+        job = run.job
+        run.steps += 1
+        run.tokens += len(chunk.token_ids)
+        if job.first_token is None and chunk.token_ids:
+            job.first_token = time.perf_counter()
+            self.metrics.ttft.observe(job.first_token - job.created)
+        self._emit(job, "chunk", (index, chunk))
+
+    def _choice_done(self, run: _Running, index: int, result: Result) -> None:
+        run.live.discard(index)
+        run.results[index] = result
+        run.tokens -= result.stats.new_tokens  # counted from the result's stats instead
+        run.steps -= result.stats.steps
+        self._record_result(result, run.labels)
+        self._emit(run.job, "choice", (index, result))
+        if all(r is not None for r in run.results):
+            self._end(run, "result", list(run.results))
+
+    def _end(self, run: _Running, kind: str, payload: Any) -> None:
+        """The job is over: free its slots, report `kind` once."""
+        if self._running.pop(run.job.id, None) is None:
+            return
+        for index in run.live:
+            self._batches[run.plan.verifier].remove((run.job.id, index))
+        run.live.clear()
+        if kind == "error":
+            self._job_failed(run.job, payload)
+        else:
+            self._emit(run.job, kind, payload)
+        self.completed += 1
+        self._update_gauges()
+
+    def _job_failed(self, job: Job, error: Exception) -> None:
+        if isinstance(error, QuasarError):
+            self.metrics.engine_errors.inc(kind="invalid_request")
+        else:
+            log.error("engine: job %s failed", job.id, exc_info=error)
+            self.metrics.engine_errors.inc(kind="internal")
+        self._emit(job, "error", error)
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self._running))
+        if not self._running:
+            self.metrics.batch_size.set(0)
 
     def _emit(self, job: Job, kind: str, payload: Any) -> None:
         if kind in ("result", "error", "cancelled"):
@@ -154,68 +353,6 @@ class Scheduler:
             job.on_event(kind, payload)
         except Exception:  # a broken sink (e.g. the event loop has gone) must not stop the engine
             log.exception("engine: delivering %s for job %s failed", kind, job.id)
-
-    def _run(self, job: Job) -> None:
-        m = self.metrics
-        job.started = time.perf_counter()
-        m.queue_wait.observe(job.started - job.created)
-        if job.cancel.is_set():  # the client left while the job was queued
-            m.cancelled.inc()
-            self._emit(job, "cancelled", None)
-            return
-        m.running.set(1)
-        m.batch_size.set(1)  # one sequence per verifier step until the engine batches
-        m.prompt_tokens.inc(len(job.prompt_ids))
-        try:
-            results = []
-            for index in range(job.n):
-                result = self._decode_choice(job, index)
-                if result is None:
-                    return
-                results.append(result)
-                self._emit(job, "choice", (index, result))
-            self._emit(job, "result", results)
-        except QuasarError as e:
-            m.engine_errors.inc(kind="invalid_request")
-            self._emit(job, "error", e)
-        except Exception as e:
-            log.exception("engine: job %s failed", job.id)
-            m.engine_errors.inc(kind="internal")
-            self._emit(job, "error", e)
-        finally:
-            m.running.set(0)
-            m.batch_size.set(0)
-
-    def _decode_choice(self, job: Job, index: int) -> Result | None:
-        """Decode choice `index` of `job`, streaming its chunks; None when the client left
-        (reported as "cancelled"). Errors propagate to `_run`."""
-        m = self.metrics
-        drafter = job.options.get("drafter") or self.llm.drafter
-        verifier = job.options.get("verifier") or self.llm.verifier
-        labels = {"drafter": drafter, "verifier": verifier}
-        steps = tokens = 0
-        stream = self.llm.stream(prompt_ids=job.prompt_ids, **choice_options(job.options, index))
-        try:
-            for item in stream:
-                if isinstance(item, Result):
-                    self._record_result(item, labels)
-                    return item
-                assert isinstance(item, Chunk)
-                steps += 1
-                tokens += len(item.token_ids)
-                if job.first_token is None and item.token_ids:
-                    job.first_token = time.perf_counter()
-                    m.ttft.observe(job.first_token - job.created)
-                self._emit(job, "chunk", (index, item))
-                if job.cancel.is_set():
-                    m.cancelled.inc()
-                    m.steps.inc(steps, **labels)
-                    m.completion_tokens.inc(tokens)
-                    self._emit(job, "cancelled", None)
-                    return None
-            raise RuntimeError("the decoder ended without a result")
-        finally:
-            stream.close()  # releases the LLM's lock however the choice ends
 
     def _record_result(self, result: Result, labels: dict) -> None:
         m, s = self.metrics, result.stats
@@ -229,7 +366,6 @@ class Scheduler:
             m.tokens_per_s.observe(s.tokens_per_s)
 
 
-def choice_options(options: dict, index: int) -> dict:
-    """LLM.stream options for choice `index`: a seeded request samples choice i with seed + i."""
-    seed = options.get("seed")
-    return options if index == 0 or seed is None else {**options, "seed": seed + index}
+def _with_seed(opts, seed: int):
+    return dataclasses.replace(opts, sampling=dataclasses.replace(opts.sampling, seed=seed))
+

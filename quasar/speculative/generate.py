@@ -1,7 +1,7 @@
 """The decoding loop: draft, verify in one forward, accept, keep the accepted rows.
 
-A `Sequence` is one request's state (drafter, sampling, output, stats); `decode` drives one
-sequence through the model. Each step feeds the rows [pending token, draft tree], where the
+A `Sequence` is one request's state (drafter, sampling, output, stats); it never calls the
+model: `quasar.speculative.batch` runs the model for one sequence (`decode`) or many. Each step feeds the rows [pending token, draft tree], where the
 pending token is the last emitted one, not yet in the cache; everything before it is.
 Autoregressive decoding is the same loop with a drafter that never proposes.
 """
@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from quasar.defaults import DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
-from quasar.models.llama import Transformer
-from quasar.models.rows import Rows
 from quasar.models.tokenizer import StreamDecoder, Tokenizer
 from quasar.speculative.acceptance import (AdaptiveDraftLength, accept_greedy_tree, accept_sampling,
                                           accept_sampling_tree)
@@ -187,7 +184,7 @@ class Sequence:
             kept, chunk = seq.accept(logits_of_those_rows)   # commit `kept`; chunk may be None
         result = seq.result()
 
-    `decode` drives one sequence; a scheduler may drive many in one step.
+    `quasar.speculative.batch` drives them: one alone (`decode`) or many in one step.
     """
 
     def __init__(self, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions, tokenizer: Tokenizer,
@@ -221,9 +218,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.out.finish is not None
 
-    def next_rows(self) -> tuple[list[int], list[int]] | None:
+    def next_rows(self, max_draft: int | None = None) -> tuple[list[int], list[int]] | None:
         """The next step's rows: tokens [pending, *draft] and parents (-1 for the pending
-        token, whose own K/V are not in the cache yet); None once the sequence has ended."""
+        token, whose own K/V are not in the cache yet); None once the sequence has ended.
+        `max_draft` caps the draft (a batch sharing its rows out)."""
         if self.finished:
             return None
         # Prompt + output never exceed the context; a step emits at most its depth + 1 tokens.
@@ -233,6 +231,8 @@ class Sequence:
             return None
         want = self.adaptive.next_k() if self.adaptive else self.opts.num_draft
         k = max(0, min(want, room - 1, self.opts.max_new_tokens - len(self.out.ids) - 1))
+        if max_draft is not None:
+            k = min(k, max_draft)
         self.tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
         return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
 
@@ -287,22 +287,3 @@ class Sequence:
         stats.decode_s = stats.wall_s - stats.prefill_s
         return Result(self.out.final_text, list(self.out.ids), self.out.finish, stats, self.logprobs)
 
-
-def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], drafter: Drafter,
-           opts: DecodeOptions, slot: int = 0) -> Iterator[Chunk | Result]:
-    """Yield a Chunk per verifier step, then the Result, decoding one sequence in cache slot
-    `slot`. Works for any drafter/verifier pair."""
-    cache = model.cache if model.cache is not None else model.setup_cache()
-    seq = Sequence(prompt_ids, drafter, opts, tokenizer, cache.max_seq_len)
-    cache.lengths[slot] = 0
-    if seq.prefill_ids:
-        model(torch.tensor([seq.prefill_ids], device=model.model.norm.weight.device), logits="none", slot=slot)
-    seq.prefilled()
-    while (step := seq.next_rows()) is not None:
-        tokens, parents = step
-        rows = Rows.build(tokens, [slot] * len(tokens), parents, cache.lengths)
-        kept, chunk = seq.accept(model.step(rows))
-        cache.commit(slot, kept, rows)
-        if chunk is not None:
-            yield chunk
-    yield seq.result()

@@ -7,12 +7,12 @@
 // VNNI GEMMs Int8Linear uses (int8_gemm.h), so a step costs little more than the bytes of
 // its weights.
 //
-// Layer (Llama family, batch 1, T <= kMaxRows rows of a chain or a token tree, float32
-// activations):
+// Layer (Llama family, T <= kMaxRows rows: chains or token trees in one or more cache
+// slots, float32 activations):
 //   h = rmsnorm(x) * w_in; q, k, v = W8A8(h) (one quantization, one parallel GEMM per
-//   16 rows); optional per-head q/k rmsnorm (Qwen3); RoPE; k, v written to the cache at
-//   [start, start + T); attention of row i over keys [0, start) and then its path (for a
-//   chain: keys [0, start + i]); x += W8A8_o(attn);
+//   16 rows); optional per-head q/k rmsnorm (Qwen3); RoPE; each row's k, v written to its
+//   slot past the slot's committed length; attention of each row over its slot's committed
+//   keys and then its path (for a chain: keys [0, start + i]); x += W8A8_o(attn);
 //   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
 // A linear with act_bits 15 (by default the down projection) quantizes its input to 15
 // bits and runs two int8 products over the same weight chunk (small_m_gemm_split).
@@ -381,19 +381,23 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
 
 }  // namespace
 
-// x [1, T, H] float32 -> the hidden states after all L layers [1, T, H]; k_cache / v_cache
-// [L, 1, KVH, S, D] float32 get row t's K/V at start + t. The rows form a tree: parents[t] is
-// row t's parent row (parents[0] = -1: the pending token; a chain has parents[t] = t - 1), and
-// row t attends to the committed cache [0, start) and then to its path (the rows from the
-// root down to itself), the keys a one-token step on its path would see. Per layer l, in order:
-// norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm, q_norm, k_norm (the last
-// two None without qk-norm); weights / scales / biases / comps / act_bits[7l .. 7l+6] = the
-// Int8Linears q, k, v, o, gate, up, down (comp = 128 * rowsum(weight), int32 [N]; act_bits
-// 8, or 15 for split 15-bit activations as in Int8Linear).
+// x [1, T, H] float32 -> the hidden states after all L layers [1, T, H], for the rows of a
+// verifier step over one or more cache slots (quasar/models/rows.py). k_cache / v_cache are
+// [L, slots, KVH, S, D] float32. Row t belongs to slot slots[t], whose committed length is
+// starts[t]; the rows of a slot are contiguous and form a tree: parents[t] is row t's parent
+// row (an index into the whole step; -1 for the slot's first row, its pending token; a chain
+// has parents[t] = t - 1). Row t's K/V go to its slot at starts[t] + (t - the slot's first
+// row), and it attends to its slot's committed cache [0, starts[t]) and then to its path (the
+// rows from the root down to itself): the keys a one-token step on its path would see, so
+// neither the other rows of its slot nor other slots change a bit of its result.
+// Per layer l, in order: norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm,
+// q_norm, k_norm (the last two None without qk-norm); weights / scales / biases / comps /
+// act_bits[7l .. 7l+6] = the Int8Linears q, k, v, o, gate, up, down (comp = 128 *
+// rowsum(weight), int32 [N]; act_bits 8, or 15 for split 15-bit activations as in Int8Linear).
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                               at::Tensor& k_cache, at::Tensor& v_cache, int64_t start,
-                               at::IntArrayRef parents, const c10::List<std::optional<at::Tensor>>& norms,
-                               double eps,
+                               at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef slots,
+                               at::IntArrayRef starts, at::IntArrayRef parents,
+                               const c10::List<std::optional<at::Tensor>>& norms, double eps,
                                at::TensorList weights, at::TensorList scales,
                                const c10::List<std::optional<at::Tensor>>& biases,
                                at::TensorList comps, at::IntArrayRef act_bits, int64_t n_heads,
@@ -406,39 +410,56 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   TORCH_CHECK(T >= 1 && T <= kMaxRows, "w8a8_decoder_layers: 1..", kMaxRows, " rows, got ", T);
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && k_cache.size(1) == 1 &&
-                  k_cache.size(2) == n_kv_heads,
-              "w8a8_decoder_layers: caches must be contiguous float32 [L, 1, KVH, S, D]");
+                  v_cache.scalar_type() == at::kFloat && k_cache.size(2) == n_kv_heads,
+              "w8a8_decoder_layers: caches must be contiguous float32 [L, slots, KVH, S, D]");
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
               "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
-  const int64_t L = k_cache.size(0), D = k_cache.size(4), S = k_cache.size(3);
+  const int64_t L = k_cache.size(0), n_slots = k_cache.size(1), D = k_cache.size(4), S = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(weights.size()) == 7 * L &&
                   static_cast<int64_t>(scales.size()) == 7 * L && static_cast<int64_t>(biases.size()) == 7 * L &&
                   static_cast<int64_t>(comps.size()) == 7 * L && static_cast<int64_t>(act_bits.size()) == 7 * L,
               "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
-  TORCH_CHECK(start >= 0 && start + T <= S, "w8a8_decoder_layers: rows past the cache");
-  TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && parents[0] == -1,
-              "w8a8_decoder_layers: one parent per row, -1 for the first");
-  // Each row's logical keys (KeyMap): n_keys[t] of them, rows [0, split[t]) of the cache
-  // and then tails[t]: the path's rows from the first one off the chain 0, 1, 2, ...
-  std::vector<int64_t> n_keys(T), split(T), tail_rows(T * T), path;
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && static_cast<int64_t>(slots.size()) == T &&
+                  static_cast<int64_t>(starts.size()) == T && parents[0] == -1,
+              "w8a8_decoder_layers: one slot, start and parent per row, parent -1 for the first");
+  // Per row: its cache row (where its K/V go), and its logical keys (KeyMap): n_keys[t] of
+  // them, rows [0, split[t]) of its slot's cache and then tails[t], the cache rows of the
+  // path from the first one off the slot's chain. `groups`: each slot's rows [first, end).
+  std::vector<int64_t> n_keys(T), split(T), cache_row(T), tail_rows(T * T), path;
   std::vector<const int64_t*> tails(T);
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  std::vector<bool> seen(n_slots, false);
   bool is_chain = true;
+  int64_t max_keys = 0;
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(t == 0 || (parents[t] >= 0 && parents[t] < t),
-                "w8a8_decoder_layers: parents[", t, "] must be an earlier row");
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < n_slots, "w8a8_decoder_layers: slot ", slot, " is not in the cache");
+    if (parents[t] == -1) {
+      TORCH_CHECK(!seen[slot], "w8a8_decoder_layers: the rows of slot ", slot, " must be contiguous, one root");
+      seen[slot] = true;
+      groups.emplace_back(t, t + 1);
+    } else {
+      const int64_t p = parents[t];
+      TORCH_CHECK(p >= groups.back().first && p < t && slots[p] == slot && starts[p] == starts[t],
+                  "w8a8_decoder_layers: parents[", t, "] must be an earlier row of the same slot");
+      groups.back().second = t + 1;
+    }
+    const int64_t first = groups.back().first;
+    cache_row[t] = starts[t] + t - first;
+    TORCH_CHECK(starts[t] >= 0 && cache_row[t] < S, "w8a8_decoder_layers: rows past the cache");
     path.clear();
-    for (int64_t r = t; r >= 0; r = r == 0 ? -1 : parents[r]) path.push_back(r);
+    for (int64_t r = t; r != -1; r = parents[r]) path.push_back(r);
     std::reverse(path.begin(), path.end());
     int64_t m = 0;
-    while (m < static_cast<int64_t>(path.size()) && path[m] == m) ++m;
+    while (m < static_cast<int64_t>(path.size()) && path[m] == first + m) ++m;
     is_chain = is_chain && m == static_cast<int64_t>(path.size());
-    n_keys[t] = start + static_cast<int64_t>(path.size());
-    split[t] = start + m;
-    for (size_t i = m; i < path.size(); ++i) tail_rows[t * T + (i - m)] = start + path[i];
+    n_keys[t] = starts[t] + static_cast<int64_t>(path.size());
+    split[t] = starts[t] + m;
+    for (size_t i = m; i < path.size(); ++i) tail_rows[t * T + (i - m)] = cache_row[path[i]];
     tails[t] = tail_rows.data() + t * T;
+    max_keys = std::max(max_keys, n_keys[t]);
   }
-  // A chain keeps the plain kernel (no key lookups at all).
+  // A batch of chains keeps the plain kernel (no key lookups at all).
   const AttendFn attend = is_chain ? attend_for<false>(D) : attend_for<true>(D);
   TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
   const float* cs = float_data(cos, T * D, "cos");
@@ -447,6 +468,20 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   const int64_t nq = n_heads * D, nkv = n_kv_heads * D, nqkv = nq + 2 * nkv;
   const int64_t group = n_heads / n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // Attention work items: the query vectors (rows x heads) of one slot's kv head, cut into
+  // pieces of at most kMaxGroupQueries so every thread gets some; each item streams its kv
+  // head's cache once. How queries are grouped never changes their results.
+  struct Item { int64_t first, slot, kv, q0, q1; };
+  std::vector<Item> items;
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  const int64_t min_parts = (2 * at::get_num_threads() + n_kv_heads * n_groups - 1) / (n_kv_heads * n_groups);
+  for (const auto& [first, end] : groups) {
+    const int64_t per_kv = group * (end - first);
+    const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries, min_parts));
+    for (int64_t kv = 0; kv < n_kv_heads; ++kv)
+      for (int64_t part = 0; part < parts; ++part)
+        items.push_back({first, slots[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts});
+  }
 
   std::vector<LayerGemms> gemms;
   int64_t inter_max = 0;
@@ -472,43 +507,39 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
     // attention block
     rms_norm(xs, T, H, w_in, feps, h.data());
     int8_rows(h.data(), T, H, g.qkv, 3, proj.data(), nqkv, g.bits_qkv);
-    float* kc = k_cache.data_ptr<float>() + l * n_kv_heads * S * D;
-    float* vc = v_cache.data_ptr<float>() + l * n_kv_heads * S * D;
+    // this layer's cache; slot s's kv head h at ((s * KVH + h) * S) * D
+    float* kc = k_cache.data_ptr<float>() + l * n_slots * n_kv_heads * S * D;
+    float* vc = v_cache.data_ptr<float>() + l * n_slots * n_kv_heads * S * D;
     for (int64_t t = 0; t < T; ++t) {
       float* row = proj.data() + t * nqkv;
       if (w_qn) rms_norm(row, n_heads, D, w_qn, feps, row);
       if (w_kn) rms_norm(row + nq, n_kv_heads, D, w_kn, feps, row + nq);
       for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
       for (int64_t kv = 0; kv < n_kv_heads; ++kv) {
-        std::copy_n(row + nq + kv * D, D, kc + (kv * S + start + t) * D);
-        std::copy_n(row + nq + nkv + kv * D, D, vc + (kv * S + start + t) * D);
+        const int64_t at_row = ((slots[t] * n_kv_heads + kv) * S + cache_row[t]) * D;
+        std::copy_n(row + nq + kv * D, D, kc + at_row);
+        std::copy_n(row + nq + nkv + kv * D, D, vc + at_row);
       }
     }
-    // Work items: the query vectors (rows x heads) of one kv head, cut into `parts` pieces
-    // of at most kMaxGroupQueries so every thread gets some; each item streams its kv
-    // head's cache once. How queries are grouped never changes their results.
-    const int64_t per_kv = group * T;
-    const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries,
-                                                    (2 * at::get_num_threads() + n_kv_heads - 1) / n_kv_heads));
-    at::parallel_for(0, n_kv_heads * parts, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(kMaxGroupQueries * (start + T)), acc(kMaxGroupQueries * 2 * D);
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores(kMaxGroupQueries * max_keys), acc(kMaxGroupQueries * 2 * D);
       const float* qp[kMaxGroupQueries];
       float* op[kMaxGroupQueries];
       int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
       const int64_t* tl[kMaxGroupQueries];
-      for (int64_t item = i0; item < i1; ++item) {
-        const int64_t kv = item / parts, part = item % parts;
-        const int64_t q0 = part * per_kv / parts, q1 = (part + 1) * per_kv / parts;
-        for (int64_t qi = q0; qi < q1; ++qi) {
-          const int64_t t = qi / group, hd = kv * group + qi % group;
-          qp[qi - q0] = proj.data() + t * nqkv + hd * D;
-          op[qi - q0] = attn.data() + t * nq + hd * D;
-          ns[qi - q0] = n_keys[t];
-          sp[qi - q0] = split[t];
-          tl[qi - q0] = tails[t];
+      for (int64_t i = i0; i < i1; ++i) {
+        const Item& it = items[i];
+        for (int64_t qi = it.q0; qi < it.q1; ++qi) {
+          const int64_t t = it.first + qi / group, hd = it.kv * group + qi % group;
+          qp[qi - it.q0] = proj.data() + t * nqkv + hd * D;
+          op[qi - it.q0] = attn.data() + t * nq + hd * D;
+          ns[qi - it.q0] = n_keys[t];
+          sp[qi - it.q0] = split[t];
+          tl[qi - it.q0] = tails[t];
         }
-        attend(qp, ns, KeyMap{sp, tl}, op, q1 - q0, kc + kv * S * D, vc + kv * S * D, scale, scores.data(),
-               start + T, acc.data());
+        const int64_t head = (it.slot * n_kv_heads + it.kv) * S * D;
+        attend(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, kc + head, vc + head, scale, scores.data(), max_keys,
+               acc.data());
       }
     });
     int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H, g.bits_o);
@@ -530,7 +561,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
 TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "int start, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
+      "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
       "Tensor[] comps, int[] act_bits, int n_heads, int n_kv_heads) -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 }

@@ -1,0 +1,263 @@
+"""Continuous batching: several sequences decoded together, one verifier forward a step.
+
+A `BatchDecoder` drives `Sequence`s (quasar.speculative.generate) in the slots of one
+verifier's KV cache. Each `step()`:
+1. prefills waiting sequences, at most `prefill_budget` prompt tokens a step, so a long
+   prompt does not stall the sequences already decoding (a prompt that matches one already
+   in the cache is copied from that slot instead: `n` choices share one prefill);
+2. runs one verifier step over the rows of every decoding sequence ([pending, *drafts]
+   each, in its own slot), hands each its logits, commits what it accepted and returns
+   what each emitted. A sequence that ends leaves at once and frees its slot.
+
+A sequence's tokens are bitwise the same whether it decodes alone or beside others:
+- a prompt is always prefilled in the same chunks (fixed offsets, `prefill`), whatever
+  else is in flight;
+- a verifier step computes each row on its own (quasar.models.rows, "row invariance"), so
+  other slots' rows change no bit of a sequence's logits;
+- a batch may shorten the drafts of greedy sequences (their output does not depend on the
+  drafts) but never those of seeded sampling, whose random draws follow its draft lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quasar.models.llama import Transformer
+from quasar.models.rows import Rows
+from quasar.models.tokenizer import Tokenizer
+from quasar.speculative.drafters import Drafter
+from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence
+
+# Prompt tokens per prefill call: the most rows the fused W8A8 step takes (faster than the
+# modules' causal prefill). Chunks start at multiples of this, so a prompt's cache is the
+# same however the prefill is interleaved with other sequences' steps.
+PREFILL_CHUNK = 128
+# Rows of one verifier call (the fused step takes up to 128); a bigger batch makes more calls.
+MAX_STEP_ROWS = 128
+
+
+def prefill(model: Transformer, slot: int, ids: list[int], start: int = 0, budget: int | None = None) -> int:
+    """Run `ids[start:]` into `slot` (whose committed length must be `start`), in chunks of
+    PREFILL_CHUNK at fixed offsets, at most `budget` tokens (rounded up to whole chunks;
+    None: all). Returns the new committed length."""
+    done = start
+    while done < len(ids) and (budget is None or done - start < budget):
+        end = min(len(ids), (done // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+        # model() picks its path (a causal prefill, or rows for a short chunk) from the
+        # chunk's length alone: the same every time.
+        model(torch.tensor([ids[done:end]], device=model.model.norm.weight.device), logits="none", slot=slot)
+        done = end
+    return done
+
+
+@dataclass
+class _Entry:
+    key: Hashable
+    seq: Sequence
+    slot: int
+    filled: int = 0  # prefill tokens in the cache so far
+
+    @property
+    def prefilled(self) -> bool:
+        return self.filled >= len(self.seq.prefill_ids)
+
+
+class BatchDecoder:
+    """Decodes up to len(slots) sequences of one verifier together (see the module doc).
+
+    `add` places a sequence in a free slot; `step` advances every sequence by one verifier
+    step (after this step's prefill work) and returns [(key, Chunk, Result or the
+    exception it failed with)]; after a Result or an exception the slot is free again.
+    `remove` drops one (a cancelled request).
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, slots: list[int] | None = None,
+                 prefill_budget: int | None = PREFILL_CHUNK, max_rows: int | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = model.cache if model.cache is not None else model.setup_cache()
+        self.free = list(slots if slots is not None else range(self.cache.n_slots))
+        if not self.free or any(not 0 <= s < self.cache.n_slots for s in self.free):
+            raise ValueError(f"slots {self.free} are not slots of the cache ({self.cache.n_slots})")
+        self.n_slots = len(self.free)
+        self.prefill_budget = prefill_budget
+        # Rows a step aims for over the whole batch: greedy drafts are cut to fit (None: no cap).
+        self.max_rows = max_rows
+        self.entries: dict[Hashable, _Entry] = {}  # in arrival order
+        self.float_gemms = any(type(m) is nn.Linear for m in model.modules())
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def n_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.entries)
+
+    @property
+    def n_decoding(self) -> int:
+        return sum(e.prefilled for e in self.entries.values())
+
+    def add(self, key: Hashable, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions) -> Sequence:
+        """Start decoding `prompt_ids` under `key` in a free slot (QuasarError when the
+        prompt does not fit the context, ValueError when no slot is free or `key` is taken)."""
+        if not self.free:
+            raise ValueError("no free slot in the batch")
+        if key in self.entries:
+            raise ValueError(f"key {key!r} is decoding already")
+        seq = Sequence(prompt_ids, drafter, opts, self.tokenizer, self.cache.max_seq_len)
+        slot = self.free.pop(0)
+        self.cache.lengths[slot] = 0
+        self.entries[key] = _Entry(key, seq, slot)
+        return seq
+
+    def remove(self, key: Hashable) -> None:
+        """Drop a sequence (cancelled) and free its slot; nothing happens for an unknown key."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.free.append(entry.slot)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[tuple[Hashable, Chunk | Result | Exception]]:
+        """One step: this step's prefill work, then one verifier step for every decoding
+        sequence. A sequence that fails (its drafter, its acceptance, or the verifier call
+        it was in) gets its exception as its item and leaves; the others go on."""
+        out: list[tuple[Hashable, Chunk | Result | Exception]] = []
+        self._prefill(out)
+        active: list[tuple[_Entry, list[int], list[int]]] = []
+        decoding = [e for e in self.entries.values() if e.prefilled]
+        cap = self._draft_cap(len(decoding))
+        for entry in decoding:
+            seq = entry.seq
+            limit = None if (seq.gen is not None and seq.opts.sampling.seed is not None) else cap
+            try:
+                rows = seq.next_rows(max_draft=limit)
+            except Exception as e:
+                out.append(self._fail(entry, e))
+                continue
+            if rows is None:  # ended before stepping (context full)
+                out.append(self._finish(entry))
+            else:
+                active.append((entry, *rows))
+        for group in self._calls(active):
+            try:
+                rows, logits = self._verify(group)
+            except Exception as e:
+                out += [self._fail(entry, e) for entry, _, _ in group]
+                continue
+            end = 0
+            for entry, toks, _ in group:
+                base, end = end, end + len(toks)  # the sequence's rows in the call
+                try:
+                    kept, chunk = entry.seq.accept(logits[base:end])
+                    self.cache.commit(entry.slot, [base + r for r in kept], rows)
+                except Exception as e:
+                    out.append(self._fail(entry, e))
+                    continue
+                if chunk is not None:
+                    out.append((entry.key, chunk))
+                if entry.seq.finished:
+                    out.append(self._finish(entry))
+        return out
+
+    def _verify(self, group: list) -> tuple[Rows, torch.Tensor]:
+        """One verifier call over the rows of `group`'s sequences: (rows, logits)."""
+        tokens, slots, parents = [], [], []
+        for entry, toks, pars in group:
+            base = len(tokens)
+            tokens += toks
+            slots += [entry.slot] * len(toks)
+            parents += [p if p < 0 else base + p for p in pars]
+        rows = Rows.build(tokens, slots, parents, self.cache.lengths)
+        return rows, self.model.step(rows)
+
+    def _fail(self, entry: _Entry, error: Exception) -> tuple[Hashable, Exception]:
+        self.remove(entry.key)
+        return entry.key, error
+
+    def _finish(self, entry: _Entry) -> tuple[Hashable, Result]:
+        self.remove(entry.key)
+        return entry.key, entry.seq.result()
+
+    def _draft_cap(self, n: int) -> int | None:
+        """Most drafts a greedy sequence gets this step, so the batch stays near max_rows."""
+        if self.max_rows is None or n <= 1:
+            return None
+        return max(0, self.max_rows // n - 1)
+
+    def _calls(self, active: list) -> list[list]:
+        """Split the step's sequences into verifier calls: at most MAX_STEP_ROWS rows each,
+        and one sequence per call on a model with float linears (a float GEMM's rounding
+        depends on how many rows it multiplies, an int8 one's does not)."""
+        limit = 1 if self.float_gemms else MAX_STEP_ROWS
+        calls, rows = [[]], 0
+        for item in active:
+            n = len(item[1]) if limit > 1 else limit
+            if calls[-1] and rows + n > limit:
+                calls.append([])
+                rows = 0
+            calls[-1].append(item)
+            rows += n
+        return [c for c in calls if c]
+
+    def _prefill(self, out: list) -> None:
+        """This step's prefill work: copy prompts already in a slot, then up to
+        prefill_budget tokens of the waiting prompts (None: all of them), oldest first."""
+        budget = self.prefill_budget
+        for entry in list(self.entries.values()):
+            if entry.prefilled:
+                continue
+            ids = entry.seq.prefill_ids
+            if entry.filled == 0 and self._copy_prompt(entry, ids):
+                continue
+            if budget is not None and budget <= 0:
+                continue
+            before = entry.filled
+            try:
+                entry.filled = prefill(self.model, entry.slot, ids, entry.filled, budget)
+            except Exception as e:
+                out.append(self._fail(entry, e))
+                continue
+            if budget is not None:
+                budget -= entry.filled - before
+            if entry.prefilled:
+                entry.seq.prefilled()
+
+    def _copy_prompt(self, entry: _Entry, ids: list[int]) -> bool:
+        """Fill `entry`'s slot from a sequence whose cache starts with the same prompt.
+
+        Its first len(ids) positions are committed and never change, and a prefill is the
+        same computation in every slot, so the copy is exactly what prefilling would give."""
+        if not ids:
+            entry.seq.prefilled()
+            return True
+        for other in self.entries.values():
+            if other is entry or not other.prefilled or other.seq.prefill_ids != ids:
+                continue
+            n = len(ids)
+            self.cache.k[:, entry.slot, :, :n] = self.cache.k[:, other.slot, :, :n]
+            self.cache.v[:, entry.slot, :, :n] = self.cache.v[:, other.slot, :, :n]
+            self.cache.lengths[entry.slot] = entry.filled = n
+            entry.seq.prefilled()
+            return True
+        return False
+
+
+
+def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], drafter: Drafter,
+           opts: DecodeOptions, slot: int = 0) -> Iterator[Chunk | Result]:
+    """Yield a Chunk per verifier step, then the Result, decoding one sequence alone in cache
+    slot `slot`: a batch of one, so its tokens are those it would get in any batch."""
+    batch = BatchDecoder(model, tokenizer, slots=[slot], prefill_budget=None)
+    batch.add(0, prompt_ids, drafter, opts)
+    while True:
+        for _, item in batch.step():
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if isinstance(item, Result):
+                return

@@ -1,0 +1,166 @@
+"""Continuous batching (quasar.speculative.batch): sequences decoded together in one W8A8
+verifier step get exactly the tokens each gets alone, greedy and seeded sampling alike,
+whoever joins or leaves the batch and whichever slot they land in; through
+`LLM.generate_batch` and through the server with the real `openai` client.
+
+A tiny random Qwen3-shaped model (the real SmolLM2 tokenizer), quantized to W8A8 with a
+small calibration: the fused C++ step runs every batch in one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from quasar.api import LLM
+from quasar.speculative.batch import PREFILL_CHUNK, BatchDecoder
+from quasar.speculative.generate import Chunk, Result
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):", "The capital of France is", "1, 2, 3, 4, 5,",
+           "Dear Sir, I write to you about the", "import numpy as np\nx = np.", "Once upon a time"]
+SAMPLING = dict(temperature=0.9, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, default_model_dir):
+    threads = torch.get_num_threads()
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("batch") / "tiny", "qwen3", default_model_dir, 1)
+    llm = LLM(str(model_dir), verifier="w8a8", max_context=1024, threads=2, max_batch=4,
+              quant_options={"samples": 2, "seq_len": 48, "progress": False})
+    llm.prepare()
+    yield llm
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def step_slots(llm):
+    """Record, per verifier call of the W8A8 model, how many slots it covered and whether it ran fused."""
+    model = llm.verifier_model("w8a8")
+    step, kernel, calls = model.step, model.step_kernel, []
+
+    def spy_step(rows, *a, **kw):
+        calls.append([len(rows.starts), None])
+        return step(rows, *a, **kw)
+
+    def spy_kernel(*args):
+        y = kernel(*args)
+        if calls:
+            calls[-1][1] = y is not None
+        return y
+
+    spy_kernel.max_rows = kernel.max_rows
+    model.step, model.step_kernel = spy_step, spy_kernel
+    yield calls
+    model.step, model.step_kernel = step, kernel
+
+
+def long_prompt(llm) -> str:
+    text = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. "
+    while len(llm.encode(text)) < PREFILL_CHUNK + 40:  # two prefill chunks
+        text += text
+    return text
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0), dict(SAMPLING), dict(temperature=0, drafter="tree"),
+                                     dict(SAMPLING, drafter="tree")], ids=["greedy", "seeded", "tree", "tree-seeded"])
+def test_generate_batch_equals_each_prompt_alone(llm, step_slots, options):
+    prompts = PROMPTS + [long_prompt(llm)]  # 7 prompts, 4 slots: slots are reused
+    batch = llm.generate_batch(prompts, max_new_tokens=24, **options)
+    assert max(n for n, _ in step_slots) > 1, "no step decoded several sequences"
+    assert all(fused for _, fused in step_slots), "a batched step did not run fused"
+    alone = [llm.generate(p, max_new_tokens=24, **options) for p in prompts]
+    for b, a in zip(batch, alone):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason
+    if options["temperature"] == 0:  # and speculative greedy is autoregressive greedy, in a batch too
+        ar = llm.generate_batch(prompts, max_new_tokens=24, drafter="none")
+        assert [r.token_ids for r in ar] == [r.token_ids for r in batch]
+
+
+def run_alone(llm, prompt: str, **options) -> list[int]:
+    return llm.generate(prompt, max_new_tokens=20, **options).token_ids
+
+
+def drive(batch: BatchDecoder, plans: dict, outputs: dict, until=None) -> None:
+    """Step until `until()` holds (or every sequence ended), collecting each key's tokens."""
+    while batch.n_running and not (until and until()):
+        for key, item in batch.step():
+            assert not isinstance(item, Exception), item
+            if isinstance(item, Chunk):
+                outputs.setdefault(key, []).extend(item.token_ids)
+            elif isinstance(item, Result):
+                assert outputs.get(key, []) == item.token_ids
+                plans[key] = "done"
+
+
+def test_join_cancel_and_slot_reuse_change_no_tokens(llm):
+    greedy, seeded = llm.check_options(max_new_tokens=20), llm.check_options(max_new_tokens=20, **SAMPLING)
+    ids = {name: llm.encode(p) for name, p in zip("abcde", PROMPTS)}
+    with llm.lock:
+        batch = llm.batch_decoder("w8a8", slots=[1, 2, 3])
+        batch.max_rows = 6  # greedy sequences get no drafts beside two others; seeded ones keep theirs
+        plans, outputs = {}, {}
+        batch.add("a", ids["a"], llm.new_drafter(greedy), greedy.options)
+        batch.add("b", ids["b"], llm.new_drafter(seeded), seeded.options)
+        batch.add("c", ids["c"], llm.new_drafter(greedy), greedy.options)
+        drive(batch, plans, outputs, until=lambda: len(outputs.get("a", [])) >= 4)
+        batch.remove("c")  # cancelled mid-batch: its slot goes to "d", which joins mid-batch
+        slot_c = batch.free[-1]
+        batch.add("d", ids["d"], llm.new_drafter(seeded), seeded.options)
+        assert batch.entries["d"].slot == slot_c
+        drive(batch, plans, outputs, until=lambda: "b" in plans)
+        batch.add("e", ids["e"], llm.new_drafter(greedy), greedy.options)  # into the slot "b" left
+        drive(batch, plans, outputs)
+        assert sorted(batch.free) == [1, 2, 3]
+    assert outputs["a"] == run_alone(llm, PROMPTS[0])
+    assert outputs["b"] == run_alone(llm, PROMPTS[1], **SAMPLING)
+    assert outputs["d"] == run_alone(llm, PROMPTS[3], **SAMPLING)
+    assert outputs["e"] == run_alone(llm, PROMPTS[4])
+
+
+def test_a_shared_prompt_is_prefilled_once(llm, monkeypatch):
+    """Sequences with the same prompt (`n` choices) copy the first one's cache instead of
+    prefilling again, and decode exactly as if each had been prefilled."""
+    import quasar.speculative.batch as batch_mod
+
+    calls = []
+    real = batch_mod.prefill
+    monkeypatch.setattr(batch_mod, "prefill", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    prompt = long_prompt(llm)
+    plan = llm.check_options(max_new_tokens=12, **SAMPLING)
+    ids = llm.encode(prompt)
+    with llm.lock:
+        batch = llm.batch_decoder("w8a8", slots=[0, 1, 2])
+        for i in range(3):
+            sampling = dataclasses.replace(plan.options.sampling, seed=7 + i)
+            batch.add(i, ids, llm.new_drafter(plan), dataclasses.replace(plan.options, sampling=sampling))
+        outputs, plans = {}, {}
+        drive(batch, plans, outputs)
+    assert len(set(calls)) == 1, calls  # one slot was prefilled (in chunks), the others copied it
+    for i in range(3):
+        assert outputs[i] == llm.generate(prompt, max_new_tokens=12, **{**SAMPLING, "seed": 7 + i}).token_ids
+
+
+def test_concurrent_openai_requests_equal_their_sequential_outputs(llm, step_slots):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from quasar.server.app import BackgroundServer, create_app
+
+    requests = [dict(prompt=p, max_tokens=16, temperature=0) for p in PROMPTS[:4]] + \
+               [dict(prompt=p, max_tokens=16, temperature=0.9, seed=30 + i) for i, p in enumerate(PROMPTS[:4])]
+    with BackgroundServer(create_app(llm, max_queue=16, model_name="tiny")) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(req):
+            return client.completions.create(model="tiny", **req).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            concurrent = list(pool.map(ask, requests))
+        batched = max(n for n, _ in step_slots)
+        sequential = [ask(req) for req in requests]
+    assert batched > 1, "the server never decoded two requests in one step"
+    assert concurrent == sequential
