@@ -64,6 +64,7 @@ def test_bench_end_to_end(tiny_model, tmp_path, capsys):
     for name, m in res["modes"].items():
         assert m["tokens_per_s"] > 0 and m["new_tokens"] > 0 and m["prompts"] == 2
         assert m["step_ms"] > 0 and m["bytes_per_step"] > 0 and 0 < m["floor_fraction"]
+        assert m["kv_bytes_per_step"] > 0  # our float32 cache, counted in the floor
     assert res["modes"]["ar-fp"]["speedup_vs_ar_fp"] == 1.0
     assert res["modes"]["ar-fp"]["mean_accepted"] == 1.0  # exactly: one token per step
     assert set(res["modes"]["ar-fp"]["accepted_hist"]) == {"1"}
@@ -186,6 +187,30 @@ def test_aggregate_definitions():
     assert m["floor_fraction"] == pytest.approx(10.0 / (2000 / 12))
     assert m["accepted_hist"] == {"1": 10, "2": 1, "5": 1}
     assert m["same_output_as_ar_fp"] == 0.5
+    assert m["kv_bytes_per_step"] is None  # records without a KV estimate: weights alone
+
+
+def test_the_floor_counts_the_kv_cache_a_step_reads():
+    """Each step reads its context's K and V in every layer: prompt + half the output on
+    average, in the engine's precision; the floor adds it to the weights."""
+    from quasar.bench.peers import RunResult
+    from quasar.bench.runner import _median_run, aggregate, kv_token_bytes
+    from quasar.models.config import ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    per_token = kv_token_bytes(cfg, 4)
+    assert per_token == 3 * 2 * 2 * 16 * 4
+    assert kv_token_bytes(cfg, None) is None
+    run = RunResult(token_ids=list(range(20)), new_tokens=20, rate_tokens=20, step_tokens=20, steps=10,
+                    prefill_s=0.1, decode_s=1.0, wall_s=1.1)
+    rec = _median_run([run], prompt_tokens=100, kv_token_bytes=per_token)
+    assert rec["kv_bytes"] == 10 * (100 + 10) * per_token
+    m = aggregate([rec], bytes_per_step=10**6, bandwidth_gbps=1.0)
+    assert m["kv_bytes_per_step"] == 110 * per_token
+    assert m["floor_ms"] == pytest.approx((10**6 + 110 * per_token) / 1e9 * 1e3)
+    unknown = aggregate([_median_run([run], 100, None)], bytes_per_step=10**6, bandwidth_gbps=1.0)
+    assert unknown["kv_bytes_per_step"] is None and unknown["floor_ms"] == pytest.approx(1.0)
 
 
 class _FakeLlama:

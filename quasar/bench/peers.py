@@ -67,6 +67,9 @@ class Contender:
     kind: str = "peer"  # "mode" (Quasar) or "peer"
     description: str = ""
     bytes_per_step: int | None = None
+    # Bytes of one KV cache element (None: not known, e.g. a peer that picks its own cache
+    # precision): the runner adds the KV cache a step reads to its floor (runner.aggregate).
+    kv_element_size: int | None = None
     weights: str = ""  # what weights it reads, for the report
 
     def prepare(self) -> None:
@@ -77,7 +80,7 @@ class Contender:
 
     def info(self) -> dict:
         return {"kind": self.kind, "description": self.description, "weights": self.weights,
-                "bytes_per_step": self.bytes_per_step}
+                "bytes_per_step": self.bytes_per_step, "kv_element_size": self.kv_element_size}
 
 
 # --------------------------------------------------------------------------- transformers
@@ -153,6 +156,7 @@ class HFPeer(Contender):
     def prepare(self) -> None:
         model = self.shared.load()
         self.bytes_per_step = hf_weight_bytes(model)
+        self.kv_element_size = model.dtype.itemsize  # a DynamicCache in the model's dtype
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         from transformers import GenerationConfig
@@ -247,6 +251,7 @@ class LlamaCppPeer(Contender):
         path = q8_0_copy(self.src, self.threads) if self.q8 else self.src
         self.weights = str(path)
         self.bytes_per_step = gguf_weight_bytes(path)
+        self.kv_element_size = 2  # llama.cpp's default f16 K and V
         kwargs = {}
         if self.pld:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

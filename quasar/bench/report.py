@@ -18,8 +18,8 @@ REPORT_MD = "report.md"
 SPEEDUP_PNG = "speedup.png"
 ACCEPTANCE_PNG = "acceptance.png"
 
-COLUMNS = ("engine", "tokens/s", "speedup vs ar-fp", "acceptance length", "step ms", "MB/step", "floor ms",
-           "floor achieved", "e2e tokens/s", "same output as ar-fp")
+COLUMNS = ("engine", "tokens/s", "speedup vs ar-fp", "acceptance length", "step ms", "MB/step", "KV MB/step",
+           "floor ms", "floor achieved", "e2e tokens/s", "same output as ar-fp")
 
 COLUMN_HELP = [
     ("tokens/s", "decode rate: new tokens ÷ decode time, prefill excluded; sums over the prompts of the "
@@ -28,8 +28,10 @@ COLUMN_HELP = [
     ("acceptance length", "tokens emitted per verifier step (L); 1.00 for autoregressive decoding"),
     ("step ms", "decode time ÷ verifier steps (one forward each)"),
     ("MB/step", "bytes of weights one forward reads (embedding table excluded, tied lm_head once), 10^6 bytes"),
-    ("floor ms", "MB/step ÷ measured memory read bandwidth: the fastest a step can be"),
-    ("floor achieved", "floor ms ÷ step ms (100% = weights streamed at full memory speed, nothing else)"),
+    ("KV MB/step", "KV cache one step reads on average (its context's K and V in every layer, in the engine's "
+                   "cache precision; – when not known), 10^6 bytes"),
+    ("floor ms", "(MB/step + KV MB/step) ÷ measured memory read bandwidth: the fastest a step can be"),
+    ("floor achieved", "floor ms ÷ step ms (100% = weights and cache streamed at full memory speed, nothing else)"),
     ("e2e tokens/s", "new tokens ÷ wall time including prefill"),
     ("same output as ar-fp", "fraction of prompts whose greedy tokens equal ar-fp's"),
 ]
@@ -81,6 +83,7 @@ def _f(v, fmt: str = "{:.2f}", none: str = "–") -> str:
 
 def _row(name: str, m: dict) -> list[str]:
     mb = None if m.get("bytes_per_step") is None else m["bytes_per_step"] / 1e6
+    kv = None if m.get("kv_bytes_per_step") is None else m["kv_bytes_per_step"] / 1e6
     return [
         name,
         _f(m["tokens_per_s"]),
@@ -88,6 +91,7 @@ def _row(name: str, m: dict) -> list[str]:
         _f(m.get("mean_accepted")),
         _f(m.get("step_ms")),
         _f(mb, "{:.1f}"),
+        _f(kv, "{:.1f}"),
         _f(m.get("floor_ms")),
         _f(None if m.get("floor_fraction") is None else 100 * m["floor_fraction"], "{:.0f}%"),
         _f(m.get("e2e_tokens_per_s")),

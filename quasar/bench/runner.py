@@ -14,9 +14,12 @@ Metrics of an engine over a set of prompts (a task, or all of them):
 - mean_accepted (acceptance length L): tokens emitted per verifier step, from the
   per-step histogram (EOS counted as emitted): exactly 1.0 for autoregressive decoding.
 - step_ms: Σ decode time ÷ Σ steps. bytes_per_step: weights read by one forward.
-  floor_ms = bytes_per_step ÷ bandwidth; floor_fraction = floor_ms ÷ step_ms (1.0 would
-  be reading weights at full memory speed and doing nothing else); step_over_floor is
-  its inverse. KV cache and activation traffic are not in the floor.
+  kv_bytes_per_step: the KV cache a step reads, on average: each step reads its context's
+  K and V in every layer (context ≈ prompt + half the output over a run, in the engine's
+  cache precision; None for an engine whose precision is not known).
+  floor_ms = (bytes_per_step + kv_bytes_per_step) ÷ bandwidth; floor_fraction = floor_ms ÷
+  step_ms (1.0 would be reading weights and cache at full memory speed and doing nothing
+  else); step_over_floor is its inverse. Activation traffic is not in the floor.
 """
 
 from __future__ import annotations
@@ -176,6 +179,8 @@ class QuasarMode(Contender):
         from quasar.speculative.verifiers import model_bytes
 
         self.bytes_per_step = model_bytes(model)
+        self.kv_element_size = model.cache.k.element_size()
+        self.kv_config = model.config  # a pruned verifier has fewer layers (and caches)
         dtype = str(self.llm.loaded.dtype).removeprefix("torch.")
         self.weights = f"{self.llm.loaded.model_dir} ({self.verifier}, {dtype})"
 
@@ -248,10 +253,14 @@ def environment(threads: int) -> dict:
 # --------------------------------------------------------------------------- aggregation
 
 
-def _median_run(runs: list[RunResult]) -> dict:
-    """One record per prompt and engine: median times over repeats, counts of the first."""
+def _median_run(runs: list[RunResult], prompt_tokens: int, kv_token_bytes: int | None) -> dict:
+    """One record per prompt and engine: median times over repeats, counts of the first.
+    `kv_token_bytes`: K and V of one token in all layers, in the engine's precision."""
     first = runs[0]
+    # Step i reads a context growing from the prompt to prompt + output: half the output on average.
+    kv = None if kv_token_bytes is None else int(first.steps * (prompt_tokens + first.new_tokens / 2) * kv_token_bytes)
     return {
+        "kv_bytes": kv,
         "new_tokens": first.new_tokens,
         "rate_tokens": first.rate_tokens,
         "step_tokens": first.step_tokens,
@@ -266,6 +275,11 @@ def _median_run(runs: list[RunResult]) -> dict:
     }
 
 
+def kv_token_bytes(cfg, element_size: int | None) -> int | None:
+    """K and V of one token over all layers of `cfg` (a ModelConfig), or None."""
+    return None if element_size is None else cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
 def aggregate(records: list[dict], bytes_per_step: int | None, bandwidth_gbps: float) -> dict:
     """Metrics of one engine over the given per-prompt records (see module doc)."""
     rate = sum(r["rate_tokens"] for r in records)
@@ -278,7 +292,10 @@ def aggregate(records: list[dict], bytes_per_step: int | None, bandwidth_gbps: f
     for r in records:
         hist.update({int(k): v for k, v in r["hist"].items()})
     step_s = decode / steps if steps else None
-    floor_s = bytes_per_step / (bandwidth_gbps * 1e9) if bytes_per_step and bandwidth_gbps else None
+    kv = [r.get("kv_bytes") for r in records]
+    kv_per_step = sum(kv) / steps if steps and all(k is not None for k in kv) else None
+    read = bytes_per_step + (kv_per_step or 0) if bytes_per_step else None
+    floor_s = read / (bandwidth_gbps * 1e9) if read and bandwidth_gbps else None
     same = [r["same_as_ar_fp"] for r in records if r.get("same_as_ar_fp") is not None]
     return {
         "tokens_per_s": rate / decode if decode > 0 else 0.0,
@@ -286,6 +303,7 @@ def aggregate(records: list[dict], bytes_per_step: int | None, bandwidth_gbps: f
         "mean_accepted": step_tokens / steps if steps else None,
         "step_ms": step_s * 1e3 if step_s else None,
         "bytes_per_step": bytes_per_step,
+        "kv_bytes_per_step": round(kv_per_step) if kv_per_step is not None else None,
         "floor_ms": floor_s * 1e3 if floor_s else None,
         "floor_fraction": floor_s / step_s if floor_s and step_s else None,
         "step_over_floor": step_s / floor_s if floor_s and step_s else None,
@@ -411,7 +429,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                     gc.collect()
                     runs[e.name].append(e.run(p.ids, cfg.max_new_tokens))
                     bar.update(1)
-            recs = {name: _median_run(rs) for name, rs in runs.items()}
+            recs = {e.name: _median_run(runs[e.name], len(p.ids),
+                                        kv_token_bytes(getattr(e, "kv_config", llm.config), e.kv_element_size))
+                    for e in engines}
             base_ids = recs[BASELINE]["token_ids"]
             for name, rec in recs.items():
                 rec["same_as_ar_fp"] = rec["token_ids"] == base_ids
