@@ -183,7 +183,11 @@ class LLM:
 
     def batch_decoder(self, verifier: str, slots: list[int] | None = None) -> BatchDecoder:
         """A BatchDecoder over `verifier`'s cache slots (all by default); hold `lock` while using it."""
-        return BatchDecoder(self.verifier_model(verifier), self.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS)
+        model = self.verifier_model(verifier)
+        cache = model.cache
+        if cache is None or cache.n_slots < self.max_batch or cache.max_seq_len != self.max_context:
+            model.setup_cache(self.max_context, n_slots=self.max_batch)  # someone resized it
+        return BatchDecoder(model, self.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS)
 
     def stream(self, prompt: str | list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                raw: bool = False, **options) -> Iterator[Chunk | Result]:

@@ -158,9 +158,13 @@ def test_concurrent_openai_requests_equal_their_sequential_outputs(llm, step_slo
         def ask(req):
             return client.completions.create(model="tiny", **req).choices[0].text
 
-        with ThreadPoolExecutor(8) as pool:
-            concurrent = list(pool.map(ask, requests))
+        with ThreadPoolExecutor(9) as pool:
+            concurrent = pool.map(ask, requests)
+            # the Python API on the same LLM meanwhile: it waits for the engine's slots
+            direct = pool.submit(llm.generate, PROMPTS[5], max_new_tokens=16, raw=True).result().token_ids
+            concurrent = list(concurrent)
         batched = max(n for n, _ in step_slots)
         sequential = [ask(req) for req in requests]
     assert batched > 1, "the server never decoded two requests in one step"
     assert concurrent == sequential
+    assert direct == llm.generate(PROMPTS[5], max_new_tokens=16, raw=True).token_ids

@@ -103,6 +103,7 @@ class Scheduler:
         self._running: dict[str, _Running] = {}  # job id -> state, in admission order
         self._batches: dict[str, Any] = {}  # verifier name -> its BatchDecoder
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # see `call`
+        self._holding = False  # the worker holds llm.lock (see _hold_llm)
         self.completed = 0
         self._thread = threading.Thread(target=self._loop, name="quasar-scheduler", daemon=True)
 
@@ -196,17 +197,31 @@ class Scheduler:
             try:
                 self._admit()
                 self._drop_cancelled()
+                self._hold_llm(bool(self._running))
                 self._step()
             except BaseException:  # never let the worker die
                 log.exception("engine: unexpected failure in the worker")
                 for run in list(self._running.values()):
                     self._end(run, "error", RuntimeError("the engine failed"))
+            finally:
+                self._hold_llm(bool(self._running))
         for run in list(self._running.values()):
             self._end(run, "cancelled", None)
+        self._hold_llm(False)
         with self._cond:
             calls, self._calls = list(self._calls), deque()
         for _, future in calls:
             future.set_exception(SchedulerClosed("the server is shutting down"))
+
+    def _hold_llm(self, busy: bool) -> None:
+        """Hold the LLM's lock while sequences are in the batch: the cache slots are the
+        batch's, so a direct LLM.generate from another thread waits until the engine is idle."""
+        if busy and not self._holding:
+            self.llm.lock.acquire()
+            self._holding = True
+        elif not busy and self._holding:
+            self.llm.lock.release()
+            self._holding = False
 
     def _live_sequences(self) -> int:
         return sum(len(run.live) for run in self._running.values())
@@ -286,8 +301,7 @@ class Scheduler:
             if not batch.n_running:
                 continue
             self.metrics.batch_size.set(batch.n_decoding or batch.n_running)
-            with self.llm.lock:
-                items = batch.step()
+            items = batch.step()  # under llm.lock (_hold_llm)
             for (job_id, index), item in items:
                 run = self._running.get(job_id)
                 if run is None:
