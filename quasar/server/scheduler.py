@@ -34,7 +34,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from quasar.defaults import DEFAULT_MAX_BATCH
 from quasar.errors import QuasarError
 from quasar.server.metrics import ServerMetrics
 from quasar.speculative.generate import Chunk, Result
@@ -80,8 +79,9 @@ class _Running:
     results: list[Result | None]
     next_choice: int = 0  # choices [0, next_choice) have been given a slot
     live: set[int] = field(default_factory=set)
-    tokens: int = 0  # output tokens so far (reported when cancelled)
-    steps: int = 0
+    # choice -> [output tokens, steps] streamed so far, while it decodes (a finished choice
+    # reports its result's stats instead; these are reported when the job is cancelled)
+    partial: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def labels(self) -> dict:
@@ -94,7 +94,7 @@ class Scheduler:
         if max_queue < 1:
             raise QuasarError(f"max_queue must be at least 1, got {max_queue}")
         self.llm, self.max_queue = llm, max_queue
-        self.max_batch = min(max_batch or getattr(llm, "max_batch", DEFAULT_MAX_BATCH), llm.max_batch)
+        self.max_batch = min(max_batch or llm.max_batch, llm.max_batch)
         self.metrics = metrics or ServerMetrics()
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
@@ -291,8 +291,8 @@ class Scheduler:
             if run.job.cancel.is_set():
                 m = self.metrics
                 m.cancelled.inc()
-                m.steps.inc(run.steps, **run.labels)
-                m.completion_tokens.inc(run.tokens)
+                m.steps.inc(sum(steps for _, steps in run.partial.values()), **run.labels)
+                m.completion_tokens.inc(sum(tokens for tokens, _ in run.partial.values()))
                 self._end(run, "cancelled", None)
 
     def _step(self) -> None:
@@ -316,8 +316,9 @@ class Scheduler:
 
     def _chunk(self, run: _Running, index: int, chunk: Chunk) -> None:
         job = run.job
-        run.steps += 1
-        run.tokens += len(chunk.token_ids)
+        counts = run.partial.setdefault(index, [0, 0])
+        counts[0] += len(chunk.token_ids)
+        counts[1] += 1
         if job.first_token is None and chunk.token_ids:
             job.first_token = time.perf_counter()
             self.metrics.ttft.observe(job.first_token - job.created)
@@ -326,8 +327,7 @@ class Scheduler:
     def _choice_done(self, run: _Running, index: int, result: Result) -> None:
         run.live.discard(index)
         run.results[index] = result
-        run.tokens -= result.stats.new_tokens  # counted from the result's stats instead
-        run.steps -= result.stats.steps
+        run.partial.pop(index, None)
         self._record_result(result, run.labels)
         self._emit(run.job, "choice", (index, result))
         if all(r is not None for r in run.results):
