@@ -14,8 +14,9 @@ the modules.
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
 whether it is verified alone, with drafts or beside other sequences (greedy speculative ==
 greedy autoregressive stays exact, in a batch too). The layer is not bitwise the PyTorch
-path (summation order, a polynomial exp): its logits are close, which tests check. Prefills longer than the step limit take
-the PyTorch path; both write the same KV cache layout.
+path (summation order, a polynomial exp): its logits are close, which tests check.
+Prefills longer than the step limit take the PyTorch path; both write the same KV cache
+layout.
 
 It applies when every decoder linear is an ``Int8Linear`` on the ``cpu`` backend, the
 model and its cache are float32 on the CPU, and the C++ ops load on an AVX512-VNNI CPU

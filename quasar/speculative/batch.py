@@ -47,8 +47,8 @@ def prefill(model: Transformer, slot: int, ids: list[int], start: int = 0, budge
     done = start
     while done < len(ids) and (budget is None or done - start < budget):
         end = min(len(ids), (done // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
-        # model() picks its path (a causal prefill, or rows for a short chunk) from the
-        # chunk's length alone: the same every time.
+        # model() picks its path (rows, the fused step's chain, or a causal prefill) from
+        # the chunk's length alone: the same every time.
         model(torch.tensor([ids[done:end]], device=model.model.norm.weight.device), logits="none", slot=slot)
         done = end
     return done
@@ -82,7 +82,6 @@ class BatchDecoder:
         self.free = list(slots if slots is not None else range(self.cache.n_slots))
         if not self.free or any(not 0 <= s < self.cache.n_slots for s in self.free):
             raise ValueError(f"slots {self.free} are not slots of the cache ({self.cache.n_slots})")
-        self.n_slots = len(self.free)
         self.prefill_budget = prefill_budget
         # Rows a step aims for over the whole batch: greedy drafts are cut to fit (None: no cap).
         self.max_rows = max_rows
@@ -113,6 +112,8 @@ class BatchDecoder:
         slot = self.free.pop(0)
         self.cache.lengths[slot] = 0
         self.entries[key] = _Entry(key, seq, slot)
+        if not seq.prefill_ids:  # a one-token prompt: nothing to prefill
+            seq.prefilled()
         return seq
 
     def remove(self, key: Hashable) -> None:
@@ -193,11 +194,12 @@ class BatchDecoder:
         """Split the step's sequences into verifier calls: at most MAX_STEP_ROWS rows each,
         and one sequence per call on a model with float linears (a float GEMM's rounding
         depends on how many rows it multiplies, an int8 one's does not)."""
-        limit = 1 if self.float_gemms else MAX_STEP_ROWS
+        if self.float_gemms:
+            return [[item] for item in active]
         calls, rows = [[]], 0
         for item in active:
-            n = len(item[1]) if limit > 1 else limit
-            if calls[-1] and rows + n > limit:
+            n = len(item[1])
+            if calls[-1] and rows + n > MAX_STEP_ROWS:
                 calls.append([])
                 rows = 0
             calls[-1].append(item)
@@ -232,9 +234,6 @@ class BatchDecoder:
 
         Its first len(ids) positions are committed and never change, and a prefill is the
         same computation in every slot, so the copy is exactly what prefilling would give."""
-        if not ids:
-            entry.seq.prefilled()
-            return True
         for other in self.entries.values():
             if other is entry or not other.prefilled or other.seq.prefill_ids != ids:
                 continue
@@ -245,7 +244,6 @@ class BatchDecoder:
             entry.seq.prefilled()
             return True
         return False
-
 
 
 def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], drafter: Drafter,
