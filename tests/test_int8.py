@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -455,17 +458,19 @@ def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
         ws = torch.rand(n, 1, generator=gen) / 100
         bias = torch.randn(n, generator=gen)
         comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
-        for m in range(1, 17):  # 9..16: a second pass over each chunk of weights
+        tiles = ext.pack_tiles(w)
+        for m in range(1, 17):  # 7..16: more than one pass over each tile
             x = _hard_rows(m, k, torch.float32)
             x[0] = torch.where(torch.arange(k) % 2 == 0, 3.0, -3.0)  # q = ±127: u8 255 / 1
             for b in (bias, None):
                 want = _op_reference(x, w, ws, b)
-                got = small_m(x, w, ws, b, comp, True, False)
+                got = small_m(x, w, ws, b, comp, True, False, tiles)
                 assert torch.equal(got, want), (k, n, m, b is None)
                 if k > 1:  # oneDNN (the old path) agrees bit for bit
+                    assert torch.equal(small_m(x, w, ws, b, comp, True, False), got)  # no tiles
                     old = ext.small_m_max(0)
                     try:
-                        assert torch.equal(small_m(x, w, ws, b, comp, True, False), got)
+                        assert torch.equal(small_m(x, w, ws, b, comp, True, False, tiles), got)
                     finally:
                         ext.small_m_max(old)
 
@@ -491,6 +496,8 @@ def test_ext_parallel_loops_use_torch_threads(ext_op) -> None:
 
 def test_small_m_kernel_wraps_exactly(small_m) -> None:
     """Past K = 65793 the u8 sums overflow int32; minus comp the result is still exact."""
+    from quasar.quant import ext
+
     k, n = 70001, 3
     w = torch.full((n, k), -128, dtype=torch.int8)
     w[1] = 127
@@ -499,7 +506,7 @@ def test_small_m_kernel_wraps_exactly(small_m) -> None:
     comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
     x = torch.ones(2, k)
     x[1, 1::3] = -1
-    got = small_m(x, w, ws, None, comp, True, True)
+    got = small_m(x, w, ws, None, comp, True, True, ext.pack_tiles(w))
     assert torch.equal(got, _op_reference(x, w, ws, None))
 
 
@@ -568,3 +575,48 @@ def test_act15_is_much_closer_to_the_float_layer() -> None:
     assert abs(err15 - err_w) < 0.05 * err_w
     with pytest.raises(QuasarError, match="act_bits"):
         Int8Linear(4, 4, act_bits=16)
+
+
+def test_tile_layout_matches_its_definition(small_m) -> None:
+    """pack_tiles against the layout written out index by index (int8_gemm.h)."""
+    from quasar.quant import ext
+
+    gen = torch.Generator().manual_seed(3)
+    for n, k in ((1, 1), (17, 5), (64, 8), (100, 131), (130, 4)):
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        k4 = -(-k // 4) * 4
+        want = torch.zeros(-(-n // 16) * 16 * k4, dtype=torch.int8)
+        for r in range(n):
+            tile, i = divmod(r, 64)
+            nv = (min(64, n - 64 * tile) + 15) // 16  # the tile's vectors of 16 rows
+            for c in range(k):
+                want[64 * tile * k4 + (c // 4) * nv * 64 + (i // 16) * 64 + (i % 16) * 4 + c % 4] = w[r, c]
+        assert torch.equal(ext.pack_tiles(w), want), (n, k)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_PAGEOUT) is Linux's")
+def test_released_weight_pages_leave_memory_and_lose_nothing(ext_op, tmp_path) -> None:
+    """A layer packed from a memory-mapped checkpoint drops the row-major copy's pages from
+    the resident set; the weight still reads back intact (from the file)."""
+    from quasar.models.safetensors_mmap import mmap_safetensors
+    from quasar.quant import ext
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randint(-128, 128, (8192, 8192), generator=gen, dtype=torch.int8)  # 64 MiB
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    mapped = mmap_safetensors(tmp_path / "w.safetensors")["w"]
+    assert torch.equal(mapped, w)  # every page touched: resident
+    before = _rss_bytes()
+    if not ext.release_pages(mapped):
+        pytest.skip("this kernel does not take MADV_PAGEOUT")
+    assert _rss_bytes() < before - 32 * 2**20
+    assert torch.equal(mapped, w)
+    anon = w.clone()  # anonymous memory: kept (or swapped), never lost
+    ext.release_pages(anon)
+    assert torch.equal(anon, w)

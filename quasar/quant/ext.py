@@ -55,6 +55,8 @@ __all__ = [
     "decoder_layer_op",
     "int8_linear_op",
     "parallel_threads",
+    "pack_tiles",
+    "release_pages",
     "small_m_max",
     "small_m_supported",
 ]
@@ -107,6 +109,22 @@ def small_m_max(value: int | None = None) -> int:
     if int8_linear_op() is None:
         return 0
     return int(torch.ops.quasar_quant.int8_small_m_max(-1 if value is None else max(0, value)))
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] int8 in the small-M kernel's tile layout (int8, 1-D), or None when
+    that kernel does not run here (no op, or a CPU without AVX512-VNNI)."""
+    if not small_m_supported():
+        return None
+    return torch.ops.quasar_quant.int8_pack_tiles(weight)
+
+
+def release_pages(t: torch.Tensor) -> bool:
+    """Hint the OS to reclaim ``t``'s pages (madvise MADV_PAGEOUT; nothing is lost: a mapped
+    file's pages are read again if touched). For a weight whose kernel copy is elsewhere."""
+    if int8_linear_op() is None:
+        return False
+    return bool(torch.ops.quasar_quant.release_pages(t))
 
 
 def parallel_threads() -> int:
@@ -273,6 +291,7 @@ def _self_check(op: Callable[..., torch.Tensor]) -> None:
     ws = torch.rand((19, 1), generator=gen) / 100
     bias = torch.randn(19, generator=gen)
     comp = w.sum(dim=1, dtype=torch.int32).mul_(128).unsqueeze(0)
+    tiles = torch.ops.quasar_quant.int8_pack_tiles(w) if torch.ops.quasar_quant.int8_small_m_supported() else None
     for m in (1, 3, 8, 9):  # the small-M kernel (on VNNI CPUs) and oneDNN
         x = torch.randn(m, 131, generator=gen) * torch.logspace(-3, 3, m)[:, None]
         qx, sx = quantize_activation(x)
@@ -280,6 +299,6 @@ def _self_check(op: Callable[..., torch.Tensor]) -> None:
         for b in (bias, None):
             want = scale_output(acc, sx, ws, b, torch.float32)
             for u8 in (False, True):
-                got = op(x, w, ws, b, comp, u8, u8)
+                got = op(x, w, ws, b, comp, u8, u8, tiles)
                 if not torch.equal(got, want):
                     raise RuntimeError(f"self-check mismatch (M={m}, bias={b is not None}, u8={u8})")

@@ -35,7 +35,6 @@ import torch
 from torch import Tensor, nn
 
 from quasar.quant.int8 import Int8Linear
-from quasar.quant.kernels import u8x_pack
 
 __all__ = ["FusedW8A8Step", "install"]
 
@@ -70,11 +69,11 @@ class FusedW8A8Step:
             if not self._build():
                 return None
         cfg = self.model.config
-        norms, weights, scales, biases, comps, act_bits = self._plan
+        norms, weights, tiles, scales, biases, comps, act_bits = self._plan
         starts = [rows.starts[s] for s in rows.slots]
         return self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, norms,
-                        cfg.rms_norm_eps,
-                        weights, scales, biases, comps, act_bits, cfg.num_heads, cfg.num_kv_heads)
+                        cfg.rms_norm_eps, weights, tiles, scales, biases, comps, act_bits, cfg.num_heads,
+                        cfg.num_kv_heads)
 
     def _unchanged(self) -> bool:
         """Every watched object is still in place: ~1,500 identity checks at 30 layers, run
@@ -93,7 +92,7 @@ class FusedW8A8Step:
         if self.model.config.head_dim not in _HEAD_DIMS:
             return False
         layers = self.model.model.layers
-        norms, weights, scales, biases, comps, act_bits = [], [], [], [], [], []
+        norms, weights, tiles, scales, biases, comps, act_bits = [], [], [], [], [], [], []
         # Anything swapped later (a module, a tensor, a repack) invalidates the plan.
         watch = [(self.model.model._modules, "layers", layers)]
         for idx, layer in enumerate(layers):
@@ -119,13 +118,14 @@ class FusedW8A8Step:
                     return False
                 if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
                     return False
+                if packing.packed.tiles is None:  # the op's GEMMs read the tile layout
+                    return False
                 weights.append(w)
+                tiles.append(packing.packed.tiles)
                 act_bits.append(m.act_bits)
                 scales.append(s)
                 biases.append(b)
-                # 128 * rowsum(W): the cpu packing's own copy when its u8x variant made one.
-                comp = packing.packed.comp
-                comps.append(comp if comp is not None else u8x_pack(w)[1])
+                comps.append(packing.packed.comp)  # 128 * rowsum(W), made with the tiles
                 watch += [(m._buffers, "weight", w), (m._buffers, "weight_scale", s), (m._buffers, "bias", b),
                           (m.__dict__, "_packing", packing), (m.__dict__, "act_bits", m.act_bits)]
             for n in layer_norms:
@@ -135,7 +135,7 @@ class FusedW8A8Step:
             if attn.qk_norm:
                 watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
             norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
-        self._plan, self._watch = (norms, weights, scales, biases, comps, act_bits), tuple(zip(*watch))
+        self._plan, self._watch = (norms, weights, tiles, scales, biases, comps, act_bits), tuple(zip(*watch))
         return True
 
 

@@ -168,24 +168,35 @@ def _pick(single_row: bool, k: int) -> str:
 
 class CpuPacked(NamedTuple):
     """The ``cpu`` backend's layout: the variant for M == 1 and for M > 1, the weight itself
-    (s8 reads its column-major view) and u8x's correction 128 * rowsum(W) (or None)."""
+    (s8 reads its column-major view), u8x's correction 128 * rowsum(W) (or None), and the
+    weight in the small-M VNNI kernel's tile layout (None where that kernel does not run)."""
 
     one: str
     many: str
     weight: Tensor
     comp: Tensor | None
+    tiles: Tensor | None = None
 
 
 def cpu_pack(weight: Tensor) -> CpuPacked:
     k = weight.shape[1]
     one, many = _pick(True, k), _pick(False, k)
-    comp = u8x_pack(weight)[1] if "u8x" in (one, many) else None
-    return CpuPacked(one, many, weight, comp)
+    from quasar.quant import ext
+
+    tiles = ext.pack_tiles(weight) if "reference" not in (one, many) else None
+    comp = u8x_pack(weight)[1] if "u8x" in (one, many) or tiles is not None else None
+    if tiles is not None:
+        # Steps of up to 16 rows read only the tiles, and longer ones are rare (the fused
+        # step runs prefill in 16-row blocks too): let the OS drop the row-major copy's pages
+        # (a memory-mapped checkpoint's come back from the file if oneDNN reads them), so the
+        # weights are resident once, not twice.
+        ext.release_pages(weight)
+    return CpuPacked(one, many, weight, comp, tiles)
 
 
 def cpu_mm(qx: Tensor, packed: CpuPacked) -> Tensor:
     """Dispatch on M; every variant is exact, so the choice never changes a result."""
-    one, many, weight, comp = packed
+    one, many, weight, comp, _ = packed
     name = one if qx.shape[0] == 1 else many
     if name == "u8x":
         return u8x_mm(qx, (weight, comp))
@@ -197,13 +208,13 @@ def cpu_mm(qx: Tensor, packed: CpuPacked) -> Tensor:
 def cpu_fused(packed: CpuPacked) -> tuple | None:
     """The C++ op of ``quasar.quant.ext`` with the same variant choice as ``cpu_mm``, or
     None (disabled, not buildable, or K == 1 / no exact variant: ``reference``)."""
-    one, many, _, comp = packed
+    one, many, _, comp, tiles = packed
     if "reference" in (one, many):
         return None
     from quasar.quant import ext
 
     op = ext.int8_linear_op()
-    return None if op is None else (op, (comp, one == "u8x", many == "u8x"))
+    return None if op is None else (op, (comp, one == "u8x", many == "u8x", tiles))
 
 
 # ---------------------------------------------------------------- cuda

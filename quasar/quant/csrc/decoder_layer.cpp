@@ -304,7 +304,7 @@ const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
 }
 
 // One Int8Linear's buffers as a GEMM segment writing columns [col, col + N).
-quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& scale,
+quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& tiles, const at::Tensor& scale,
                             const std::optional<at::Tensor>& bias, const at::Tensor& comp,
                             int64_t in_features, int64_t col) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() &&
@@ -315,7 +315,10 @@ quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& scale,
               "w8a8_decoder_layers: comp must be int32 [N]");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) b = float_data(*bias, n, "bias");
-  return {w.data_ptr<int8_t>(), n, comp.data_ptr<int32_t>(), float_data(scale, n, "weight_scale"),
+  TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.is_contiguous() &&
+                  tiles.numel() == quasar::tiled_bytes(n, in_features),
+              "w8a8_decoder_layers: tiles must be the weight packed by int8_pack_tiles");
+  return {tiles.data_ptr<int8_t>(), n, comp.data_ptr<int32_t>(), float_data(scale, n, "weight_scale"),
           b, col};
 }
 
@@ -325,12 +328,12 @@ void int8_block(const float* x, int64_t rows, int64_t k, const quasar::Int8Segme
                 float* y, int64_t y_stride, int64_t act_bits) {
   std::vector<float> sx(rows);
   if (act_bits == 15) {
-    std::vector<uint8_t> hi(rows * k), lo(rows * k);
+    std::vector<uint8_t> hi(rows * quasar::padded_k(k)), lo(rows * quasar::padded_k(k));
     quasar::quantize_rows_split_u8(x, rows, k, hi.data(), lo.data(), sx.data());
     quasar::small_m_gemm_split(hi.data(), lo.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
     return;
   }
-  std::vector<uint8_t> q(rows * k);
+  std::vector<uint8_t> q(rows * quasar::padded_k(k));
   quasar::quantize_rows_u8(x, rows, k, q.data(), sx.data());
   quasar::small_m_gemm(q.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
 }
@@ -351,12 +354,12 @@ struct LayerGemms {
   int64_t bits_qkv, bits_o, bits_gate_up, bits_down;  // activation bits (8 or 15)
 };
 
-LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
+LayerGemms layer_gemms(at::TensorList weights, at::TensorList tiles, at::TensorList scales,
                        const c10::List<std::optional<at::Tensor>>& biases, at::TensorList comps,
                        at::IntArrayRef act_bits, int64_t base, int64_t H, int64_t nq, int64_t nkv) {
   const auto w = [&](int64_t i) { return weights[base + i]; };
   const auto seg = [&](int64_t i, int64_t in_features, int64_t col) {
-    return segment(weights[base + i], scales[base + i], biases.get(base + i), comps[base + i],
+    return segment(weights[base + i], tiles[base + i], scales[base + i], biases.get(base + i), comps[base + i],
                    in_features, col);
   };
   const int64_t inter = w(4).size(0);
@@ -391,14 +394,15 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList scales,
 // rows from the root down to itself): the keys a one-token step on its path would see, so
 // neither the other rows of its slot nor other slots change a bit of its result.
 // Per layer l, in order: norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm,
-// q_norm, k_norm (the last two None without qk-norm); weights / scales / biases / comps /
-// act_bits[7l .. 7l+6] = the Int8Linears q, k, v, o, gate, up, down (comp = 128 *
-// rowsum(weight), int32 [N]; act_bits 8, or 15 for split 15-bit activations as in Int8Linear).
+// q_norm, k_norm (the last two None without qk-norm); weights / tiles / scales / biases /
+// comps / act_bits[7l .. 7l+6] = the Int8Linears q, k, v, o, gate, up, down (tiles = the
+// weight packed by int8_pack_tiles, which the GEMMs read; comp = 128 * rowsum(weight), int32
+// [N]; act_bits 8, or 15 for split 15-bit activations as in Int8Linear).
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef slots,
                                at::IntArrayRef starts, at::IntArrayRef parents,
                                const c10::List<std::optional<at::Tensor>>& norms, double eps,
-                               at::TensorList weights, at::TensorList scales,
+                               at::TensorList weights, at::TensorList tiles, at::TensorList scales,
                                const c10::List<std::optional<at::Tensor>>& biases,
                                at::TensorList comps, at::IntArrayRef act_bits, int64_t n_heads,
                                int64_t n_kv_heads) {
@@ -416,6 +420,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
               "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
   const int64_t L = k_cache.size(0), n_slots = k_cache.size(1), D = k_cache.size(4), S = k_cache.size(3);
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(weights.size()) == 7 * L &&
+                  static_cast<int64_t>(tiles.size()) == 7 * L &&
                   static_cast<int64_t>(scales.size()) == 7 * L && static_cast<int64_t>(biases.size()) == 7 * L &&
                   static_cast<int64_t>(comps.size()) == 7 * L && static_cast<int64_t>(act_bits.size()) == 7 * L,
               "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
@@ -486,7 +491,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   std::vector<LayerGemms> gemms;
   int64_t inter_max = 0;
   for (int64_t l = 0; l < L; ++l) {
-    gemms.push_back(layer_gemms(weights, scales, biases, comps, act_bits, 7 * l, H, nq, nkv));
+    gemms.push_back(layer_gemms(weights, tiles, scales, biases, comps, act_bits, 7 * l, H, nq, nkv));
     inter_max = std::max(inter_max, gemms.back().inter);
   }
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
@@ -561,7 +566,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
 TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] scales, Tensor?[] biases, "
+      "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] tiles, Tensor[] scales, Tensor?[] biases, "
       "Tensor[] comps, int[] act_bits, int n_heads, int n_kv_heads) -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 }

@@ -5,10 +5,28 @@
 
 namespace quasar {
 
-// One weight matrix of a small-M GEMM: w [n, K] int8, comp = 128 * rowsum(w) int32 [n],
-// ws float [n], optional bias [n]; its outputs go to columns [y_col, y_col + n).
+// Rows of a weight matrix per tile of the small-M GEMM's layout (pack_tiles).
+constexpr int64_t kTile = 64;
+
+// K rounded up to a multiple of 4: the row length of packed weights and quantized activations.
+inline int64_t padded_k(int64_t k) { return (k + 3) / 4 * 4; }
+
+// Bytes of an int8 weight [n, K] packed in tiles: rows padded to 16, columns to 4.
+inline int64_t tiled_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * padded_k(k); }
+
+// w [n, K] int8 (row-major) -> out [tiled_bytes(n, K)], the small-M GEMM's layout: rows in
+// tiles of 64 (the last may hold fewer); within a tile, K in groups of 4 columns; group g of
+// tile t is nv * 64 bytes, nv = the tile's vectors of 16 rows, byte [v][i][j] = w[64 t + 16 v
+// + i][4 g + j], so one 64-byte load is 16 rows' next four weights (vpdpbusd's operand) and a
+// tile is read as one sequential stream. Tile t starts at byte 64 t * K4 (K4 = K rounded up
+// to 4); rows past n and columns past K are zero.
+void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out);
+
+// One weight matrix of a small-M GEMM: tiles = the int8 weight [n, K] in pack_tiles' layout,
+// comp = 128 * rowsum(w) int32 [n], ws float [n], optional bias [n]; its outputs go to
+// columns [y_col, y_col + n).
 struct Int8Segment {
-  const int8_t* w;
+  const int8_t* tiles;
   int64_t n;
   const int32_t* comp;
   const float* ws;
@@ -19,17 +37,19 @@ struct Int8Segment {
 // True when this CPU runs the AVX512-VNNI small-M kernel.
 bool cpu_has_vnni();
 
-// Per-row dynamic int8 quantization of x [M, K] as uint8 (q + 128), scales into sx [M];
-// the same bits as quantize_activation in quasar/quant/int8.py.
+// Per-row dynamic int8 quantization of x [M, K] as uint8 (q + 128) into q [M, padded_k(K)]
+// (the padding q = 0), scales into sx [M]; the same bits as quantize_activation in
+// quasar/quant/numerics.py.
 void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx);
 
 // y[m, seg.y_col + n] = ((float(xu[m] . w[n] - comp[n]) * ws[n]) * sx[m]) + bias[n] for
-// every segment and 1 <= M <= 16 rows (VNNI CPUs only); bitwise Int8Linear's result.
+// every segment and 1 <= M <= 16 rows of xu [M, padded_k(K)] (VNNI CPUs only); bitwise
+// Int8Linear's result.
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride);
 
 // 15-bit activations (|q| <= 16383, scale amax / 16383, as quantize_activation(x, 15)) split
-// as q = 128 * hi + lo: hi + 128 and lo + 128 as uint8 [M, K] each.
+// as q = 128 * hi + lo: hi + 128 and lo + 128 as uint8 [M, padded_k(K)] each.
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx);
 
 // small_m_gemm for split 15-bit activations: the int32 products of hi and lo (each exact)

@@ -12,9 +12,13 @@
 // Small M (the verifier's k + 1 tokens, M <= 16): oneDNN's _int_mm costs several times its M = 1
 // GEMV there, although decoding is memory-bound and the weight need only be read once.
 // small_m_gemm does the GEMM by hand with AVX512-VNNI (vpdpbusd: u8 x s8, four pairs
-// summed into each int32 lane): each 64-byte chunk of a weight row [N, K] is loaded once
-// and multiplied with the same chunk of all M activation rows (x + 128 as uint8, in L1),
-// then 128 * rowsum(W) ("comp") is subtracted. Integer sums are exact (vpdpbusd wraps,
+// summed into each int32 lane) on the weight repacked once, at load, into tiles of 64 rows
+// (pack_tiles): each 64-byte load holds the next four weights of 16 rows, so a vpdpbusd with
+// four broadcast activation bytes (x + 128 as uint8) adds into 16 output sums at once, a
+// tile is one sequential stream (the row-major layout's 8 interleaved row streams reached
+// about half the memory bandwidth: lm_head of 1.5B at M = 1, 12.9 ms row-major vs 6.7 ms
+// tiled), and no horizontal sums are left at the end. Then 128 * rowsum(W) ("comp") is
+// subtracted. Integer sums are exact (vpdpbusd wraps,
 // never saturates, and the wrapped sum minus comp is the true value, which fits in int32
 // for K <= MAX_IN_FEATURES), so the int32s, and with the unchanged epilogue the outputs,
 // are bitwise those of the oneDNN path. Only that function is compiled for AVX512 (target
@@ -31,6 +35,11 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #define QUASAR_VNNI_KERNEL 1
@@ -81,14 +90,16 @@ inline float row_scale(const float* r, int64_t k_len, double limit) {
   return (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / static_cast<float>(limit);
 }
 
+// Rows of ldq >= k_len outputs; the ones past k_len are set to the offset (q = 0).
 template <typename Q, int32_t kOffset>
-void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx) {
+void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx, int64_t ldq) {
   for (int64_t m = 0; m < m_len; ++m) {
     const float* r = x + m * k_len;
     const float s = row_scale(r, k_len, 127.0);
     sx[m] = s;
-    Q* o = q + m * k_len;
+    Q* o = q + m * ldq;
     for (int64_t k = 0; k < k_len; ++k) o[k] = static_cast<Q>(round_to_int(r[k] / s) + kOffset);
+    for (int64_t k = k_len; k < ldq; ++k) o[k] = static_cast<Q>(kOffset);
   }
 }
 
@@ -127,8 +138,7 @@ void epilogue(const Acc* acc, int64_t acc_stride, const int32_t* comp, const flo
 }
 
 // ---------------------------------------------------------------- small-M VNNI GEMM
-constexpr int64_t kSmallMaxM = 8;  // rows one vnni_tile pass computes
-constexpr int64_t kSmallMaxRows = 2 * kSmallMaxM;  // rows small_m_gemm takes (two passes)
+constexpr int64_t kSmallMaxRows = 16;  // rows small_m_gemm takes
 // Largest M sent to small_m_gemm (0 disables it); settable for benchmarks and tests.
 std::atomic<int64_t> g_small_m_max{kSmallMaxRows};
 
@@ -144,87 +154,92 @@ bool vnni_supported() {
 }
 
 #ifdef QUASAR_VNNI_KERNEL
-// How far ahead of the rows being read to prefetch weights, in bytes: rows are short
-// (K bytes), so the hardware prefetcher never ramps up; ~8 KiB ahead covers DRAM latency
-// at this kernel's rate (4-8 KiB ahead measured best on the development machine).
-constexpr int64_t kPrefetchBytes = 8192;
-// The 16 int32 lanes of each of a0..a3 summed: [sum a0, sum a1, sum a2, sum a3].
-QUASAR_VNNI inline __m128i reduce4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
-  const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-  const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-  // per 128-bit lane: [a0, a1, a2, a3] partial sums
-  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
-  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
-  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+inline int32_t load_u32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-// out[m * ldo + j] = sum_k xu[m * K + k] * w[j * K + k] for m < M, j < NB (wrapping int32).
-// One loop with masked loads (lanes past K read as 0 and never fault) and the reduction
-// through memory: GCC keeps the accumulators in registers only in this shape.
-template <int M, int NB>
-QUASAR_VNNI inline void vnni_tile(const uint8_t* xu, int64_t K, const int8_t* w, int32_t* out,
-                                  int64_t ldo) {
-  __m512i acc[M][NB];
+// acc[r * kTile + 16 v + i] = sum_k x[r * ldx + k] * w[16 v + i][k] for r < R and the nv = NV
+// vectors of one tile (quasar::kTile rows; see pack_tiles), wrapping int32. Each group of
+// 4 columns is NV 64-byte loads in a row, one broadcast of 4 activation bytes per row and
+// R * NV vpdpbusd; the R * NV accumulators stay in registers (R * NV <= 24, plus NV
+// weights and a broadcast: at most 29 of the 32 zmm registers) and are final when the loop
+// ends, so there is no horizontal reduction.
+// acc[r * kTile + 16 v + i] = sum_k x[r * ldx + k] * w[16 v + i][k] for r < R and the NV
+// vectors of one tile (quasar::kTile rows; see pack_tiles), wrapping int32; x's rows are K4
+// bytes (K rounded up to 4; the weights are zero there, so the padding bytes can be
+// anything). Each group of 4 columns is NV 64-byte loads in a row, one broadcast of 4
+// activation bytes per row and R * NV vpdpbusd; the R * NV accumulators stay in registers
+// (R * NV <= 24, plus NV weights and a broadcast: at most 29 of the 32 zmm registers) and
+// are final when the loop ends, so there is no horizontal reduction. (Keep the loop this
+// plain: a separate tail step made GCC spill the accumulators, 3x slower.)
+template <int R, int NV>
+QUASAR_VNNI void tile_pass(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t, int32_t* acc) {
+  __m512i a[R][NV];
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K; k += 64) {
-    const __mmask64 mask = K - k >= 64 ? ~0ULL : ~0ULL >> (64 - (K - k));
-    __m512i wv[NB];
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_setzero_si512();
+  const int64_t groups = (K + 3) / 4;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* p = t + g * NV * 64;
+    __m512i w[NV];
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi8(mask, w + j * K + k);
-    // The lines kPrefetchBytes further on (prefetches never fault past the end).
+    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(p + v * 64);
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchBytes), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xb = _mm512_set1_epi32(load_u32(x + r * ldx + 4 * g));
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512i xv = _mm512_maskz_loadu_epi8(mask, xu + m * K + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xv, wv[j]);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_dpbusd_epi32(a[r][v], xb, w[v]);
     }
   }
-  alignas(64) int32_t buf[M * NB * 16];
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int j = 0; j < NB; ++j) _mm512_store_si512(buf + (m * NB + j) * 16, acc[m][j]);
-  for (int m = 0; m < M; ++m) {
-    const int32_t* b = buf + m * NB * 16;
-    int j = 0;
-    for (; j + 4 <= NB; j += 4)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + m * ldo + j),
-                       reduce4(_mm512_load_si512(b + j * 16), _mm512_load_si512(b + j * 16 + 16),
-                               _mm512_load_si512(b + j * 16 + 32),
-                               _mm512_load_si512(b + j * 16 + 48)));
-    for (; j < NB; ++j) out[m * ldo + j] = _mm512_reduce_add_epi32(_mm512_load_si512(b + j * 16));
+    for (int v = 0; v < NV; ++v) _mm512_storeu_si512(acc + r * quasar::kTile + v * 16, a[r][v]);
+}
+
+// y[m * y_stride + j] = ((float(acc[m * kTile + j] - comp[j]) * ws[j]) * sx[m]) + bias[j] for
+// m < M, j < n_len, 16 columns at a time: epilogue_rows' IEEE operations in its order (explicit
+// multiplies and add, no FMA; int32 -> float rounds to nearest like static_cast), so the same
+// bits; the int32 subtraction wraps exactly as take_comp's. The scalar loops cost ~3 ns an
+// output, as much as the GEMM itself at 16 rows.
+QUASAR_VNNI void epilogue_tile(const int32_t* acc, const int32_t* comp, const float* ws, const float* sx,
+                               const float* bias, int64_t M, int64_t n_len, float* y, int64_t y_stride) {
+  for (int64_t j = 0; j < n_len; j += 16) {
+    const __mmask16 mk = n_len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n_len - j)) - 1);
+    const __m512i c = _mm512_maskz_loadu_epi32(mk, comp + j);
+    const __m512 w = _mm512_maskz_loadu_ps(mk, ws + j);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + j) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(acc + m * quasar::kTile + j), c);
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(a), w);
+      v = _mm512_mul_ps(v, _mm512_set1_ps(sx[m]));
+      if (bias) v = _mm512_add_ps(v, b);
+      _mm512_mask_storeu_ps(y + m * y_stride + j, mk, v);
+    }
   }
 }
 
-// Weight rows [n0, n1) against M activation rows: out[m * ldo + (n - n0)].
-template <int M>
-QUASAR_VNNI void vnni_rows(const uint8_t* xu, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
-                           int32_t* out, int64_t ldo) {
-  // NB weight rows per tile: M * NB accumulators stay in the 32 zmm registers.
-  constexpr int NB = M <= 3 ? 8 : M == 4 ? 6 : M <= 6 ? 4 : 3;
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) vnni_tile<M, NB>(xu, K, w + n * K, out + (n - n0), ldo);
-  for (; n < n1; ++n) vnni_tile<M, 1>(xu, K, w + n * K, out + (n - n0), ldo);
-}
+constexpr int kMaxPassRows = 6;  // R of one tile_pass: 6 * 4 accumulators
+using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*);
 
-void vnni_dispatch(int64_t M, const uint8_t* xu, int64_t K, const int8_t* w, int64_t n0, int64_t n1,
-                   int32_t* out, int64_t ldo) {
-  switch (M) {
-    case 1: return vnni_rows<1>(xu, K, w, n0, n1, out, ldo);
-    case 2: return vnni_rows<2>(xu, K, w, n0, n1, out, ldo);
-    case 3: return vnni_rows<3>(xu, K, w, n0, n1, out, ldo);
-    case 4: return vnni_rows<4>(xu, K, w, n0, n1, out, ldo);
-    case 5: return vnni_rows<5>(xu, K, w, n0, n1, out, ldo);
-    case 6: return vnni_rows<6>(xu, K, w, n0, n1, out, ldo);
-    case 7: return vnni_rows<7>(xu, K, w, n0, n1, out, ldo);
-    case 8: return vnni_rows<8>(xu, K, w, n0, n1, out, ldo);
-    default: TORCH_CHECK(false, "int8_linear: small-M kernel called with M = ", M);
+template <int NV>
+constexpr PassFn kPasses[kMaxPassRows] = {tile_pass<1, NV>, tile_pass<2, NV>, tile_pass<3, NV>,
+                                           tile_pass<4, NV>, tile_pass<5, NV>, tile_pass<6, NV>};
+
+// All M rows against one tile of nv vectors: ceil(M / 6) passes of nearly equal rows; the
+// first reads the tile from memory, the others from L2 (a tile is 64 * K bytes).
+void tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t nv, int32_t* acc) {
+  const int64_t k4 = quasar::padded_k(K);
+  static constexpr const PassFn* kByNv[4] = {kPasses<1>, kPasses<2>, kPasses<3>, kPasses<4>};
+  const PassFn* passes = kByNv[nv - 1];
+  const int64_t n_pass = (M + kMaxPassRows - 1) / kMaxPassRows;
+  for (int64_t p = 0, r0 = 0; p < n_pass; ++p) {
+    const int64_t rows = (M - r0) / (n_pass - p);
+    passes[rows - 1](x + r0 * k4, k4, K, t, acc + r0 * quasar::kTile);
+    r0 += rows;
   }
 }
 #endif
@@ -236,7 +251,7 @@ namespace quasar {
 bool cpu_has_vnni() { return vnni_supported(); }
 
 void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx) {
-  quantize_rows<uint8_t, 128>(x, m_len, k_len, q, sx);
+  quantize_rows<uint8_t, 128>(x, m_len, k_len, q, sx, padded_k(k_len));
 }
 
 }  // namespace quasar
@@ -254,10 +269,14 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
                   int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
 #ifdef QUASAR_VNNI_KERNEL
   TORCH_CHECK(M >= 1 && M <= kSmallMaxRows, "int8 small-M GEMM called with M = ", M);
-  constexpr int64_t kChunk = 64;
+  constexpr int64_t kChunk = quasar::kTile;  // output columns per task: one weight tile
   int64_t first[8 + 1] = {0};  // chunk index where segment s starts
   TORCH_CHECK(n_segs >= 1 && n_segs <= 8, "int8 small-M GEMM: 1..8 segments");
-  for (int64_t s = 0; s < n_segs; ++s) first[s + 1] = first[s] + (segs[s].n + kChunk - 1) / kChunk;
+  for (int64_t s = 0; s < n_segs; ++s) {
+    TORCH_CHECK(segs[s].tiles != nullptr, "int8 small-M GEMM: the weight must be packed in tiles");
+    first[s + 1] = first[s] + (segs[s].n + kChunk - 1) / kChunk;
+  }
+  const int64_t k4 = quasar::padded_k(K);  // bytes of a packed weight row and of an x row
   // A task reads at least ~64 KiB of weights: less does not pay for waking a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
   at::parallel_for(0, first[n_segs], grain, [&](int64_t c0, int64_t c1) {
@@ -268,21 +287,18 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
       while (c >= first[s + 1]) ++s;
       const quasar::Int8Segment& g = segs[s];
       const int64_t n0 = (c - first[s]) * kChunk, n_len = std::min(g.n - n0, kChunk);
-      for (int64_t r = 0; r < M; r += kSmallMaxM) {
-        vnni_dispatch(std::min(kSmallMaxM, M - r), xu + r * K, K, g.w, n0, n0 + n_len, acc + r * kChunk,
-                      kChunk);
-        if (kSplit)
-          vnni_dispatch(std::min(kSmallMaxM, M - r), xlo + r * K, K, g.w, n0, n0 + n_len,
-                        acc_lo + r * kChunk, kChunk);
-      }
+      const int8_t* tile = g.tiles + n0 * k4;
+      const int64_t nv = (n_len + 15) / 16;
+      tile_rows(xu, M, K, tile, nv, acc);
+      if (kSplit) tile_rows(xlo, M, K, tile, nv, acc_lo);
       const auto take_comp = [&](int32_t* a) {  // modular: exact once comp is taken off
         for (int64_t m = 0; m < M; ++m)
           for (int64_t j = 0; j < n_len; ++j)
             a[m * kChunk + j] = static_cast<int32_t>(static_cast<uint32_t>(a[m * kChunk + j]) -
                                                      static_cast<uint32_t>(g.comp[n0 + j]));
       };
-      take_comp(acc);
       if (kSplit) {  // 128 * hi + lo in int64, then the same epilogue as scale_output's
+        take_comp(acc);
         take_comp(acc_lo);
         int64_t wide[kSmallMaxRows * kChunk];
         for (int64_t m = 0; m < M; ++m)
@@ -292,8 +308,8 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
                  y + g.y_col + n0, y_stride);
         continue;
       }
-      epilogue(acc, kChunk, nullptr, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len,
-               y + g.y_col + n0, y_stride);
+      epilogue_tile(acc, g.comp + n0, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len, y + g.y_col + n0,
+                    y_stride);
     }
   });
 #else
@@ -305,8 +321,24 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
 
 namespace quasar {
 
-// y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x seg.w [N, K]^T
-// - comp) for every segment, 1 <= M <= 16 (see small_m_rows).
+void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
+  const int64_t k4 = padded_k(k), n_tiles = (n + kTile - 1) / kTile;
+  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t * kTile, rows = std::min(kTile, n - r0), nv = (rows + 15) / 16;
+      int8_t* o = out + r0 * k4;
+      std::memset(o, 0, nv * 16 * k4);
+      for (int64_t i = 0; i < rows; ++i) {  // row r0 + i is lane i % 16 of vector i / 16
+        const int8_t* src = w + (r0 + i) * k;
+        int8_t* dst = o + (i / 16) * 64 + (i % 16) * 4;
+        for (int64_t c = 0; c < k; ++c) dst[(c / 4) * nv * 64 + c % 4] = src[c];
+      }
+    }
+  });
+}
+
+// y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x w [N, K]^T - comp)
+// for every segment (w packed in seg.tiles), 1 <= M <= 16 (see small_m_rows).
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride) {
   small_m_rows<false>(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride);
@@ -318,15 +350,17 @@ void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64
 }
 
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
+  const int64_t ldq = padded_k(k_len);
   for (int64_t m = 0; m < m_len; ++m) {
     const float* r = x + m * k_len;
     const float s = row_scale(r, k_len, 16383.0);
     sx[m] = s;
     for (int64_t k = 0; k < k_len; ++k) {
       const int32_t q = round_to_int(r[k] / s);  // |q| <= 16383
-      hi[m * k_len + k] = static_cast<uint8_t>((q >> 7) + 128);  // floor(q / 128)
-      lo[m * k_len + k] = static_cast<uint8_t>((q & 127) + 128);
+      hi[m * ldq + k] = static_cast<uint8_t>((q >> 7) + 128);  // floor(q / 128)
+      lo[m * ldq + k] = static_cast<uint8_t>((q & 127) + 128);
     }
+    for (int64_t k = k_len; k < ldq; ++k) hi[m * ldq + k] = lo[m * ldq + k] = 128;
   }
 }
 
@@ -348,14 +382,15 @@ at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
 // as int32 [N] or [1, N] (needed when a u8 variant is used). u8_single / u8_multi pick
 // oneDNN's u8 x s8 GEMM ("u8x": x + 128 as uint8, minus comp) for M == 1 / M > 1, else
 // s8 x s8 ("s8"). On an AVX512-VNNI CPU, M <= int8_small_m_max() (default 16) with a
-// valid comp takes the hand-written small_m_gemm instead, whatever the flags say.
+// valid comp and tiles (the weight packed by int8_pack_tiles) takes the hand-written
+// small_m_gemm instead, whatever the flags say.
 // act_bits = 15: 15-bit activations split as 128 * hi + lo, two exact int8 GEMMs combined
 // in int64 (small_m_gemm_split, or oneDNN's s8 x s8 twice), the same epilogue.
 // Returns [..., N] in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& comp, bool u8_single, bool u8_multi,
-                       int64_t act_bits) {
+                       const std::optional<at::Tensor>& tiles, int64_t act_bits) {
   TORCH_CHECK(act_bits == 8 || act_bits == 15, "int8_linear: act_bits must be 8 or 15, got ", act_bits);
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
               "int8_linear: tensors must be on the CPU");
@@ -392,18 +427,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
     // Small M on an AVX512-VNNI CPU: the hand-written kernel (same int32s, same epilogue).
     const bool small_m = M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() &&
                          comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
-                         comp->numel() == N;
-    at::Tensor c, wc;
+                         comp->numel() == N && tiles.has_value() && tiles->defined();
+    at::Tensor c;
     quasar::Int8Segment seg{};
     if (small_m) {
+      TORCH_CHECK(tiles->scalar_type() == at::kChar && tiles->is_contiguous() &&
+                      tiles->numel() == quasar::tiled_bytes(N, K),
+                  "int8_linear: tiles must be the weight packed by int8_pack_tiles");
       c = comp->contiguous();
-      wc = weight.contiguous();
-      seg = {wc.data_ptr<int8_t>(), N, c.data_ptr<int32_t>(), ws.data_ptr<float>(),
+      seg = {tiles->data_ptr<int8_t>(), N, c.data_ptr<int32_t>(), ws.data_ptr<float>(),
              b.defined() ? b.data_ptr<float>() : nullptr, 0};
     }
     if (act_bits == 15) {  // 15-bit activations as two int8 halves (see Int8Linear)
-      at::Tensor hi = at::empty({M, K}, xf.options().dtype(at::kByte));
-      at::Tensor lo = at::empty({M, K}, xf.options().dtype(at::kByte));
+      at::Tensor hi = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
+      at::Tensor lo = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
       quasar::quantize_rows_split_u8(xf.data_ptr<float>(), M, K, hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(),
                                      sx.data());
       if (small_m) {
@@ -413,7 +450,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       }
       // s8 halves (hi in [-128, 127], lo in [0, 127]), each an exact int32 GEMM
       const auto gemm = [&](const at::Tensor& u) {
-        const at::Tensor q = u.to(at::kShort).sub_(128).to(at::kChar);
+        const at::Tensor q = u.narrow(1, 0, K).to(at::kShort).sub_(128).to(at::kChar).contiguous();
         return K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t())
                       : at::_int_mm(q, weight.t()).to(at::kLong);
       };
@@ -423,21 +460,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       return finish();
     }
     if (small_m) {
-      at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
-      quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data());
+      at::Tensor q = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
+      quasar::quantize_rows_u8(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data());
       quasar::small_m_gemm(q.data_ptr<uint8_t>(), M, K, &seg, 1, sx.data(), y.data_ptr<float>(), N);
       return finish();
     }
     at::Tensor acc;
     if (use_u8) {
       at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
-      quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data());
+      quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data(), K);
       // torch 2.13's CPU _int_mm is wrong for K == 1; the integer product is exact anyway.
       acc = K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t()).to(at::kInt)
                    : at::_int_mm(q, weight.t());
     } else {
       at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
-      quantize_rows<int8_t, 0>(xf.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), sx.data());
+      quantize_rows<int8_t, 0>(xf.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), sx.data(), K);
       acc = K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t()).to(at::kInt)
                    : at::_int_mm(q, weight.t());
     }
@@ -454,6 +491,33 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
 int64_t int8_small_m_max(int64_t max_m) {
   if (max_m < 0) return g_small_m_max.load();
   return g_small_m_max.exchange(std::min(max_m, kSmallMaxRows));
+}
+
+// The weight [N, K] int8 in the small-M kernel's tile layout (quasar::pack_tiles).
+at::Tensor int8_pack_tiles(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
+              "int8_pack_tiles: weight must be a 2-D int8 CPU tensor");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor out = at::empty({quasar::tiled_bytes(n, k)}, w.options());
+  if (out.numel() > 0) quasar::pack_tiles(w.data_ptr<int8_t>(), n, k, out.data_ptr<int8_t>());
+  return out;
+}
+
+// Hint the OS to reclaim the pages wholly inside t's bytes (madvise MADV_PAGEOUT): for a
+// weight read from a memory-mapped checkpoint whose kernel copy now lives elsewhere. Pages
+// stay valid: clean file pages are read again if touched, anonymous ones are swapped or kept,
+// so no data is lost. Returns whether the hint was taken (false: nothing to do, or unsupported).
+bool release_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+  if (!t.device().is_cpu() || t.nbytes() == 0) return false;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t lo = (begin + page - 1) / page * page, hi = (begin + t.nbytes()) / page * page;
+  return hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_PAGEOUT) == 0;
+#else
+  return false;
+#endif
 }
 
 // Whether this CPU runs the small-M kernel (AVX512-VNNI, and the kernel compiled in).
@@ -473,8 +537,10 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(quasar_quant, m) {
   m.def(
       "int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? comp, "
-      "bool u8_single, bool u8_multi, int act_bits=8) -> Tensor");
+      "bool u8_single, bool u8_multi, Tensor? tiles=None, int act_bits=8) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
+  m.def("int8_pack_tiles(Tensor weight) -> Tensor", &int8_pack_tiles);
+  m.def("release_pages(Tensor t) -> bool", &release_pages);
   m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
   m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
   m.def("parallel_threads() -> int", &parallel_threads);
