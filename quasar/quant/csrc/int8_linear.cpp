@@ -229,17 +229,17 @@ template <int NV>
 constexpr PassFn kPasses[kMaxPassRows] = {tile_pass<1, NV>, tile_pass<2, NV>, tile_pass<3, NV>,
                                            tile_pass<4, NV>, tile_pass<5, NV>, tile_pass<6, NV>};
 
-// All M rows against one tile of nv vectors: ceil(M / 6) passes of nearly equal rows; the
-// first reads the tile from memory, the others from L2 (a tile is 64 * K bytes).
+// All M rows against one tile of nv vectors, in passes of 6 rows and then the rest: the
+// first pass reads the tile from memory (at 6 rows its arithmetic hides under the
+// stream), later ones from L2, where their arithmetic is all they cost; so the first pass
+// takes as many rows as it can (7 rows as 6 + 1, not 4 + 3).
 void tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t nv, int32_t* acc) {
   const int64_t k4 = quasar::padded_k(K);
   static constexpr const PassFn* kByNv[4] = {kPasses<1>, kPasses<2>, kPasses<3>, kPasses<4>};
   const PassFn* passes = kByNv[nv - 1];
-  const int64_t n_pass = (M + kMaxPassRows - 1) / kMaxPassRows;
-  for (int64_t p = 0, r0 = 0; p < n_pass; ++p) {
-    const int64_t rows = (M - r0) / (n_pass - p);
+  for (int64_t r0 = 0; r0 < M; r0 += kMaxPassRows) {
+    const int64_t rows = std::min<int64_t>(kMaxPassRows, M - r0);
     passes[rows - 1](x + r0 * k4, k4, K, t, acc + r0 * quasar::kTile);
-    r0 += rows;
   }
 }
 #endif
