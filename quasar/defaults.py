@@ -12,9 +12,12 @@ DEFAULT_NGRAM_MAX = 3
 DEFAULT_ADAPTIVE = True
 # The tree drafter (`--drafter tree`): draft nodes per step, and how many of the verifier's
 # top next tokens per verified row it recycles. The budget is the row count at which a
-# fused step stays within ~1.3x of a one-token step: on the 2-core development machine
-# (default model) 8 rows cost 1.45x one row and 16 rows 2.3x, so 6 nodes (7 rows).
-DEFAULT_DRAFT_BUDGET = 6
+# fused step stays within ~1.3x of a one-token step (`scripts/step_rows.py`): the small-M
+# GEMM takes 6 rows in one pass over each weight tile and more in another, so on the 2-core
+# development machine 6 rows cost 1.23x one row on the default model (7: 1.32x) and 1.09x at
+# 1.5B (7: 1.26x): 5 nodes (6 rows with the pending token). At 1.5B, 5 nodes decode 1.06x
+# faster than 6 at the same acceptance length.
+DEFAULT_DRAFT_BUDGET = 5
 DEFAULT_RECYCLE_TOP_K = 8
 # Continuous batching (server and LLM.generate_batch): sequences decoded together, and the
 # rows a batched verifier step aims for (greedy drafts are shortened to fit; see
