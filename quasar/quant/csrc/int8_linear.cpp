@@ -16,7 +16,7 @@
 // (pack_tiles): each 64-byte load holds the next four weights of 16 rows, so a vpdpbusd with
 // four broadcast activation bytes (x + 128 as uint8) adds into 16 output sums at once, a
 // tile is one sequential stream (the row-major layout's 8 interleaved row streams reached
-// about half the memory bandwidth: lm_head of 1.5B at M = 1, 12.9 ms row-major vs 6.7 ms
+// about half the memory bandwidth: lm_head of 1.5B at M = 1, 12.9 ms row-major vs 7.5 ms
 // tiled), and no horizontal sums are left at the end. Then 128 * rowsum(W) ("comp") is
 // subtracted. Integer sums are exact (vpdpbusd wraps,
 // never saturates, and the wrapped sum minus comp is the true value, which fits in int32
@@ -160,12 +160,6 @@ inline int32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-// acc[r * kTile + 16 v + i] = sum_k x[r * ldx + k] * w[16 v + i][k] for r < R and the nv = NV
-// vectors of one tile (quasar::kTile rows; see pack_tiles), wrapping int32. Each group of
-// 4 columns is NV 64-byte loads in a row, one broadcast of 4 activation bytes per row and
-// R * NV vpdpbusd; the R * NV accumulators stay in registers (R * NV <= 24, plus NV
-// weights and a broadcast: at most 29 of the 32 zmm registers) and are final when the loop
-// ends, so there is no horizontal reduction.
 // acc[r * kTile + 16 v + i] = sum_k x[r * ldx + k] * w[16 v + i][k] for r < R and the NV
 // vectors of one tile (quasar::kTile rows; see pack_tiles), wrapping int32; x's rows are K4
 // bytes (K rounded up to 4; the weights are zero there, so the padding bytes can be
@@ -198,28 +192,6 @@ QUASAR_VNNI void tile_pass(const uint8_t* x, int64_t ldx, int64_t K, const int8_
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) _mm512_storeu_si512(acc + r * quasar::kTile + v * 16, a[r][v]);
-}
-
-// y[m * y_stride + j] = ((float(acc[m * kTile + j] - comp[j]) * ws[j]) * sx[m]) + bias[j] for
-// m < M, j < n_len, 16 columns at a time: epilogue_rows' IEEE operations in its order (explicit
-// multiplies and add, no FMA; int32 -> float rounds to nearest like static_cast), so the same
-// bits; the int32 subtraction wraps exactly as take_comp's. The scalar loops cost ~3 ns an
-// output, as much as the GEMM itself at 16 rows.
-QUASAR_VNNI void epilogue_tile(const int32_t* acc, const int32_t* comp, const float* ws, const float* sx,
-                               const float* bias, int64_t M, int64_t n_len, float* y, int64_t y_stride) {
-  for (int64_t j = 0; j < n_len; j += 16) {
-    const __mmask16 mk = n_len - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n_len - j)) - 1);
-    const __m512i c = _mm512_maskz_loadu_epi32(mk, comp + j);
-    const __m512 w = _mm512_maskz_loadu_ps(mk, ws + j);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + j) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < M; ++m) {
-      const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(acc + m * quasar::kTile + j), c);
-      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(a), w);
-      v = _mm512_mul_ps(v, _mm512_set1_ps(sx[m]));
-      if (bias) v = _mm512_add_ps(v, b);
-      _mm512_mask_storeu_ps(y + m * y_stride + j, mk, v);
-    }
-  }
 }
 
 constexpr int kMaxPassRows = 6;  // R of one tile_pass: 6 * 4 accumulators
@@ -297,8 +269,8 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
             a[m * kChunk + j] = static_cast<int32_t>(static_cast<uint32_t>(a[m * kChunk + j]) -
                                                      static_cast<uint32_t>(g.comp[n0 + j]));
       };
+      take_comp(acc);
       if (kSplit) {  // 128 * hi + lo in int64, then the same epilogue as scale_output's
-        take_comp(acc);
         take_comp(acc_lo);
         int64_t wide[kSmallMaxRows * kChunk];
         for (int64_t m = 0; m < M; ++m)
@@ -308,8 +280,8 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
                  y + g.y_col + n0, y_stride);
         continue;
       }
-      epilogue_tile(acc, g.comp + n0, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len, y + g.y_col + n0,
-                    y_stride);
+      epilogue(acc, kChunk, nullptr, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len,
+               y + g.y_col + n0, y_stride);
     }
   });
 #else
