@@ -144,6 +144,56 @@ def test_not_applicable_falls_back(models, monkeypatch):
     q.step_kernel._plan = None
 
 
+# ---------------------------------------------------------------- bf16 KV cache
+
+needs_bf16 = pytest.mark.skipif(not ext.bf16_kv_supported(), reason="a bf16 KV cache needs an AVX512-BF16 CPU")
+
+
+@needs_bf16
+def test_kv_cache_is_bf16_where_the_op_attends_over_it(models, monkeypatch):
+    """head_dim 32 (the tiny qwen3) takes the bf16 cache; head_dim 16 keeps float32 (the
+    bf16 kernel works on pairs of 16-dim halves); QUASAR_KV_DTYPE=fp32 turns it off."""
+    from quasar.quant import fused_step
+
+    fp, q, _ = models["qwen3"]
+    assert q.kv_dtype == torch.bfloat16 and q.setup_cache(64).k.dtype == torch.bfloat16
+    assert models["llama"][1].kv_dtype is None and fp.kv_dtype is None
+    monkeypatch.setenv(fused_step.ENV_KV_DTYPE, "fp32")
+    assert fused_step.kv_cache_dtype(q) is None
+    monkeypatch.setenv(fused_step.ENV_KV_DTYPE, "fp16")
+    with pytest.raises(Exception, match="QUASAR_KV_DTYPE"):
+        fused_step.kv_cache_dtype(q)
+
+
+@needs_bf16
+@pytest.mark.parametrize("long", [False, True])
+def test_bf16_cache_step_is_close_to_the_float32_cache_and_the_modules(models, long):
+    """The bf16 kernel (bf16 keys, values, q and softmax numerators; float32 sums) is the
+    same attention: its logits are as close to the float32-cache kernel's as the modules'
+    are, and the modules path reads the same bf16 cache."""
+    fp, q, ids = models["qwen3"]
+    if long:
+        ids = long_ids(ids)
+    with fused_calls(q) as calls:
+        bf16 = step_logits(q, ids, 6, fused=True)
+    assert calls and all(calls) and q.cache.k.dtype == torch.bfloat16
+    modules_bf16 = step_logits(q, ids, 6, fused=False)
+    q.kv_dtype = None
+    try:
+        f32 = step_logits(q, ids, 6, fused=True)
+        assert q.cache.k.dtype == torch.float32
+    finally:
+        q.kv_dtype = torch.bfloat16
+    ref = step_logits(fp, ids, 6, fused=False)
+    scale = ref.abs().max()
+    err = {name: float((x - ref).abs().max() / scale) for name, x in
+           (("bf16", bf16), ("f32", f32), ("modules_bf16", modules_bf16))}
+    assert err["bf16"] <= 1.5 * err["f32"] + 1e-2, err
+    assert float((bf16 - f32).abs().max() / scale) < 0.05
+    assert float((bf16 - modules_bf16).abs().max() / scale) < 0.05
+    assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.8
+
+
 # ---------------------------------------------------------------- token trees
 
 def random_tree(seed: int, n: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -182,7 +232,8 @@ def tree_step(model: Transformer, ids: list[int], tokens: list[int], parents: li
 
 
 @pytest.mark.parametrize("arch,nodes,long", [(a, 9, False) for a in ARCHS] + [("qwen3", 40, False),
-                                                                            ("llama", 24, True)])
+                                                                            ("llama", 24, True),
+                                                                            ("qwen3", 24, True)])
 def test_tree_rows_are_bitwise_their_paths_alone(models, arch, nodes, long):
     """Each node's logits in one fused tree step are bitwise those of one-token steps along its
     path (also past 16 rows, where the GEMMs run in blocks, and over a longer context)."""

@@ -67,29 +67,31 @@ class KVCache(nn.Module):
         self.lengths[0] = value
 
     def update(self, layer: int, slot: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [1, kvh, T, d] at [start, start+T) of `slot`; return its keys/values up to there."""
+        """Store k, v [1, kvh, T, d] at [start, start+T) of `slot`; return its keys/values up to
+        there, in k's dtype (a bf16 cache stores them rounded)."""
         end = start + k.shape[2]
         self.k[layer, slot:slot + 1, :, start:end] = k
         self.v[layer, slot:slot + 1, :, start:end] = v
-        return self.k[layer, slot:slot + 1, :, :end], self.v[layer, slot:slot + 1, :, :end]
+        return self.k[layer, slot:slot + 1, :, :end].to(k.dtype), self.v[layer, slot:slot + 1, :, :end].to(k.dtype)
 
     def write_rows(self, layer: int, rows: Rows, k: Tensor, v: Tensor) -> None:
         """Store each row's k, v [R, kvh, d] at its (slot, cache_index)."""
         slots = torch.tensor(rows.slots, device=k.device)
         index = torch.tensor(rows.cache_index, device=k.device)
-        self.k[layer, slots, :, index] = k
-        self.v[layer, slots, :, index] = v
+        self.k[layer, slots, :, index] = k.to(self.k.dtype)
+        self.v[layer, slots, :, index] = v.to(self.v.dtype)
 
-    def row_keys(self, layer: int, rows: Rows, r: int) -> tuple[Tensor, Tensor]:
-        """Row r's logical keys and values [1, kvh, n, d]: its slot's committed cache, then its path."""
+    def row_keys(self, layer: int, rows: Rows, r: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Row r's logical keys and values [1, kvh, n, d] in `dtype`: its slot's committed
+        cache, then its path."""
         slot, start, path = rows.slots[r], rows.starts[rows.slots[r]], rows.paths[r]
         k, v = self.k[layer, slot:slot + 1], self.v[layer, slot:slot + 1]
         end = start + len(path)
         if path[-1] == end - 1:  # a chain: the path directly follows the committed cache
-            return k[:, :, :end], v[:, :, :end]
+            return k[:, :, :end].to(dtype), v[:, :, :end].to(dtype)
         index = torch.tensor(path, device=k.device)
-        return (torch.cat([k[:, :, :start], k[:, :, index]], dim=2),
-                torch.cat([v[:, :, :start], v[:, :, index]], dim=2))
+        return (torch.cat([k[:, :, :start], k[:, :, index]], dim=2).to(dtype),
+                torch.cat([v[:, :, :start], v[:, :, index]], dim=2).to(dtype))
 
     def commit(self, slot: int, kept: list[int], rows: Rows) -> None:
         """Keep the rows `kept` of the last step (root first, then the accepted path) as the
@@ -183,7 +185,7 @@ class Attention(nn.Module):
             # the other rows of the step (W8A8 would turn float-rounding differences into int8
             # rounding flips).
             cache.write_rows(layer, at, k[0].transpose(0, 1), v[0].transpose(0, 1))
-            y = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], *cache.row_keys(layer, at, r),
+            y = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], *cache.row_keys(layer, at, r, q.dtype),
                                                           enable_gqa=gqa) for r in range(t)], dim=2)
         else:
             k, v = cache.update(layer, at.slot, at.start, k, v)
@@ -234,6 +236,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.cache: KVCache | None = None
+        # dtype of the KV cache; None: the model's float dtype. W8A8 models on an AVX512-BF16
+        # CPU keep it in bfloat16 (quasar.quant.fused_step.install).
+        self.kv_dtype: torch.dtype | None = None
         # Optional fast path for verifier steps: a callable (x, cos, sin, cache, rows) -> the
         # hidden states after all layers, or None to run the modules. Installed by
         # quasar.quant.fused_step on W8A8 models.
@@ -246,8 +251,9 @@ class Transformer(nn.Module):
         """(Re)allocate the static KV cache with `n_slots` sequences; every length starts at 0."""
         cfg = self.config
         max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if self.cache is None or self.cache.max_seq_len != max_seq_len or self.cache.n_slots != n_slots:
-            dtype = self.model.norm.weight.dtype
+        dtype = self.kv_dtype or self.model.norm.weight.dtype
+        if (self.cache is None or self.cache.max_seq_len != max_seq_len or self.cache.n_slots != n_slots
+                or self.cache.k.dtype != dtype):
             self.cache = KVCache(len(self.model.layers), cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                                  dtype, self.model.norm.weight.device, n_slots)
         self.cache.lengths = [0] * n_slots

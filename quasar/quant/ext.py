@@ -59,6 +59,7 @@ __all__ = [
     "release_pages",
     "small_m_max",
     "small_m_supported",
+    "bf16_kv_supported",
 ]
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,11 @@ def parallel_threads() -> int:
     if int8_linear_op() is None:
         return 0
     return int(torch.ops.quasar_quant.parallel_threads())
+
+
+def bf16_kv_supported() -> bool:
+    """True when the decoder op takes a bfloat16 KV cache here (AVX512-BF16; False without op)."""
+    return small_m_supported() and bool(torch.ops.quasar_quant.w8a8_bf16_supported())
 
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:

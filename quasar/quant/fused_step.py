@@ -19,7 +19,8 @@ Prefills longer than the step limit take the PyTorch path; both write the same K
 layout.
 
 It applies when every decoder linear is an ``Int8Linear`` on the ``cpu`` backend, the
-model and its cache are float32 on the CPU, and the C++ ops load on an AVX512-VNNI CPU
+model is float32 on the CPU, its cache float32 or bfloat16 (``kv_cache_dtype``: bf16 on an
+AVX512-BF16 CPU, attended with bf16 products), and the C++ ops load on an AVX512-VNNI CPU
 (``QUASAR_NO_EXT=1`` turns it off with the rest of the extension); otherwise
 ``__call__`` returns None and the model runs its modules. The per-layer argument lists
 are built once and rebuilt when a module's tensors are replaced (loading, ``.to()``) or
@@ -29,11 +30,13 @@ an Int8Linear is repacked (call ``Int8Linear.repack()`` after editing weights in
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from quasar.errors import QuasarError
 from quasar.quant.int8 import Int8Linear
 
 __all__ = ["FusedW8A8Step", "install"]
@@ -63,7 +66,9 @@ class FusedW8A8Step:
         # The op runs up to MAX_ROWS rows: chains or trees, in one or more cache slots.
         if len(rows) > MAX_ROWS:
             return None
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1 or cache.k.dtype != torch.float32:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1:
+            return None
+        if cache.k.dtype != torch.float32 and not (cache.k.dtype == torch.bfloat16 and _bf16_attention(self.model)):
             return None
         if self._plan is None or not self._unchanged():
             if not self._build():
@@ -139,6 +144,31 @@ class FusedW8A8Step:
         return True
 
 
+ENV_KV_DTYPE = "QUASAR_KV_DTYPE"  # "fp32" keeps a float32 KV cache (for comparisons)
+
+
+def _bf16_attention(model: nn.Module) -> bool:
+    """Whether the op attends over a bf16 cache for this model here (AVX512-BF16, a head_dim
+    that is a multiple of 32)."""
+    from quasar.quant import ext
+
+    return ext.bf16_kv_supported() and model.config.head_dim in _HEAD_DIMS and model.config.head_dim % 32 == 0
+
+
+def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
+    """The KV cache dtype of a W8A8 model: bfloat16 where the fused step attends over it
+    (half the bytes a long-context step reads, products at twice the float32 rate), else
+    None (the model's float dtype). ``QUASAR_KV_DTYPE=fp32`` keeps float32."""
+    choice = os.environ.get(ENV_KV_DTYPE, "").strip().lower()
+    if choice not in ("", "bf16", "fp32"):
+        raise QuasarError(f"{ENV_KV_DTYPE} must be bf16 or fp32, got {choice!r}")
+    if choice == "fp32" or not _bf16_attention(model):
+        return None
+    return torch.bfloat16
+
+
 def install(model: nn.Module) -> None:
-    """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called)."""
+    """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called) and
+    its KV cache dtype."""
     model.step_kernel = FusedW8A8Step(model)
+    model.kv_dtype = kv_cache_dtype(model)

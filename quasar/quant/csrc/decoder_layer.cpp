@@ -14,6 +14,8 @@
 //   slot past the slot's committed length; attention of each row over its slot's committed
 //   keys and then its path (for a chain: keys [0, start + i]); x += W8A8_o(attn);
 //   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
+// The cache is float32, or bfloat16 on an AVX512-BF16 CPU (attend_group_bf16: bf16
+// products, float32 softmax and sums; ARCHITECTURE.md, "The KV cache in bfloat16").
 // A linear with act_bits 15 (by default the down projection) quantizes its input to 15
 // bits and runs two int8 products over the same weight chunk (small_m_gemm_split).
 // Every row is computed on its own, in a fixed order, whatever T is: a token's result is
@@ -43,6 +45,7 @@
 #define QUASAR_LAYER_KERNEL 1
 #include <immintrin.h>
 #define QUASAR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define QUASAR_BF16 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512bf16")))
 #endif
 
 namespace {
@@ -271,6 +274,225 @@ AttendFn attend_for(int64_t d) {
   }
 }
 
+// ------------------------------------------------ attention over a bfloat16 KV cache
+// The same computation as attend_group over keys and values stored as bfloat16, with the
+// products in bfloat16 (vdpbf16ps: pairs of bf16 products added into float32 lanes, twice
+// the multiply rate of float32 FMAs, half the bytes): q and the softmax numerators are
+// rounded to bf16 (round to nearest even), sums and the softmax stay float32.
+// - Scores: each 16-key chunk is transposed once per call into kt[p] = the bf16 pair p of
+//   the 16 keys (one dword per key), so a query's 16 scores are 8C vdpbf16ps with its
+//   pairs broadcast: no horizontal sums.
+// - Output: each chunk's values are interleaved once per call into bf16 pairs of
+//   consecutive keys (unpack lo/hi: the lanes hold a fixed permutation of the dims, undone
+//   at the end), so a pair of keys is C vdpbf16ps with (p_j, p_j+1) broadcast.
+// A query's arithmetic depends only on its own q, keys and values (a chunk's pairs, the
+// pair split into even/odd accumulators and the chunk count are fixed by absolute key
+// index), so grouping never changes a bit, as for attend_group. Key rows a query does not
+// have are read as zeros or multiplied by a zero numerator.
+
+// out[c] = dword c of rows r[0..15] (a 16 x 16 transpose of 32-bit elements).
+QUASAR_BF16 inline void transpose16x16(const __m512i* r, __m512i* out) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // lane L of a[2i]: (r2i, r2i+1) dwords 4L, 4L+1; a[2i+1]: 4L+2, 4L+3
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // lane L of b[4g + e]: dword 4L + e of rows 4g..4g+3
+    b[4 * g + 0] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+    b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+    b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // gather lane L of b[e], b[4 + e], b[8 + e], b[12 + e]
+    const __m512i p_lo = _mm512_shuffle_i32x4(b[e], b[4 + e], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i p_hi = _mm512_shuffle_i32x4(b[e], b[4 + e], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i q_lo = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i q_hi = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], _MM_SHUFFLE(3, 2, 3, 2));
+    out[e] = _mm512_shuffle_i32x4(p_lo, q_lo, _MM_SHUFFLE(2, 0, 2, 0));
+    out[4 + e] = _mm512_shuffle_i32x4(p_lo, q_lo, _MM_SHUFFLE(3, 1, 3, 1));
+    out[8 + e] = _mm512_shuffle_i32x4(p_hi, q_hi, _MM_SHUFFLE(2, 0, 2, 0));
+    out[12 + e] = _mm512_shuffle_i32x4(p_hi, q_hi, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+QUASAR_BF16 inline __m512i load_row(const uint16_t* row, int b) {
+  return row ? _mm512_loadu_si512(row + 32 * b) : _mm512_setzero_si512();
+}
+
+// kt[16b + c] = bf16 pair (32b + 2c, 32b + 2c + 1) of key rows[0..15] (nullptr: zeros).
+template <int C>
+QUASAR_BF16 inline void load_kt(const uint16_t* const* rows, __m512i* kt) {
+  for (int b = 0; b < C / 2; ++b) {
+    __m512i r[16];
+    for (int jj = 0; jj < 16; ++jj) r[jj] = load_row(rows[jj], b);
+    transpose16x16(r, kt + 16 * b);
+  }
+}
+
+// vt[jp * C + 2b + h]: keys 2jp and 2jp + 1 interleaved as bf16 pairs over dims 32b..32b+31
+// (h = 0: dims 8g + e, h = 1: dims 8g + 4 + e in lane 4g + e).
+template <int C>
+QUASAR_BF16 inline void load_vt(const uint16_t* const* rows, __m512i* vt) {
+  for (int jp = 0; jp < 8; ++jp)
+    for (int b = 0; b < C / 2; ++b) {
+      const __m512i x = load_row(rows[2 * jp], b), y = load_row(rows[2 * jp + 1], b);
+      vt[jp * C + 2 * b] = _mm512_unpacklo_epi16(x, y);
+      vt[jp * C + 2 * b + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+}
+
+QUASAR_BF16 inline __m512 dp_bf16(__m512 acc, __m512i a, uint32_t pair) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+}
+
+// n floats (a multiple of 16) as bfloat16, round to nearest even.
+QUASAR_BF16 inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+// attend_group over a bf16 cache (k, v [S, 16C] bf16 rows). Scratch: `scores` nq * stride
+// floats and `probs` nq * stride bf16 (stride a multiple of 16, >= max n), `acc` nq * 32C.
+template <int C, bool Paths>
+QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, const KeyMap& keys,
+                                   float* const* outs, int64_t nq, const uint16_t* k, const uint16_t* v,
+                                   float scale, float* scores, uint16_t* probs, int64_t stride, float* acc) {
+  static_assert(C % 2 == 0, "bf16 attention needs head_dim % 32 == 0");
+  constexpr int64_t d = 16 * C, np = 8 * C;  // floats, bf16 pairs of a head vector
+  int64_t n_max = 0, shared_until = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < nq; ++i) {
+    n_max = std::max(n_max, ns[i]);
+    if constexpr (Paths) shared_until = std::min(shared_until, keys.splits[i]);
+  }
+  alignas(64) uint16_t qb[kMaxGroupQueries * d];
+  for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
+  alignas(64) float vmax[kMaxGroupQueries * 16];
+  for (int64_t i = 0; i < nq; ++i)
+    _mm512_store_ps(vmax + 16 * i, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  const uint16_t* rows[16];
+  // rows[jj] = query i's key row j0 + jj (base: k or v), zeros from `cnt` on
+  const auto query_rows = [&](const uint16_t* base, int64_t i, int64_t j0, int64_t cnt) {
+    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = jj < cnt ? base + key_row<Paths>(keys, i, j0 + jj) * d : nullptr;
+  };
+  // A chunk is shared when every query's keys there are rows j0.. of the cache.
+  const auto shared = [&](int64_t j0) { return !Paths || j0 + 16 <= shared_until; };
+  alignas(64) __m512i kt[np];
+  for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
+    const bool one = shared(j0);
+    if (one) {
+      for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? k + (j0 + jj) * d : nullptr;
+      load_kt<C>(rows, kt);
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t cnt = std::min<int64_t>(16, ns[i] - j0);
+      if (cnt <= 0) continue;
+      if (!one) {
+        query_rows(k, i, j0, cnt);
+        load_kt<C>(rows, kt);
+      }
+      const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb + i * d);
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t p = 0; p < np; p += 4) {
+        a0 = dp_bf16(a0, kt[p], qp[p]);
+        a1 = dp_bf16(a1, kt[p + 1], qp[p + 1]);
+        a2 = dp_bf16(a2, kt[p + 2], qp[p + 2]);
+        a3 = dp_bf16(a3, kt[p + 3], qp[p + 3]);
+      }
+      const __mmask16 m = tail_mask(cnt);
+      const __m512 sc = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                                      _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + i * stride + j0, m, sc);
+      _mm512_store_ps(vmax + 16 * i, _mm512_mask_max_ps(_mm512_load_ps(vmax + 16 * i), m,
+                                                        _mm512_load_ps(vmax + 16 * i), sc));
+    }
+  }
+  // softmax numerators (float32 for the sum, bf16 for the products; zeros past n to the
+  // end of the last chunk), 1 / their sum per query
+  alignas(64) float inv[kMaxGroupQueries];
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* s = scores + i * stride;
+    uint16_t* pb = probs + i * stride;
+    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(vmax + 16 * i)));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < ns[i]; j += 16) {
+      const __mmask16 m = tail_mask(ns[i] - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    inv[i] = 1.0f / _mm512_reduce_add_ps(vsum);
+  }
+  // out = sum_j p_j v_j, key pairs alternately into two accumulators (independent chains)
+  std::fill_n(acc, nq * 2 * d, 0.0f);
+  alignas(64) __m512i vt[8 * C];
+  for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
+    const bool one = shared(j0);
+    if (one) {
+      for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? v + (j0 + jj) * d : nullptr;
+      load_vt<C>(rows, vt);
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t cnt = std::min<int64_t>(16, ns[i] - j0);
+      if (cnt <= 0) continue;
+      if (!one) {
+        query_rows(v, i, j0, cnt);
+        load_vt<C>(rows, vt);
+      }
+      float* ai = acc + i * 2 * d;
+      __m512 a0[C], a1[C];
+      for (int c = 0; c < C; ++c) {
+        a0[c] = _mm512_loadu_ps(ai + 16 * c);
+        a1[c] = _mm512_loadu_ps(ai + d + 16 * c);
+      }
+      const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + i * stride + j0);
+      const int64_t pairs = (cnt + 1) / 2;
+      int64_t jp = 0;
+      for (; jp + 2 <= pairs; jp += 2)
+        for (int c = 0; c < C; ++c) {
+          a0[c] = dp_bf16(a0[c], vt[jp * C + c], pp[jp]);
+          a1[c] = dp_bf16(a1[c], vt[(jp + 1) * C + c], pp[jp + 1]);
+        }
+      if (jp < pairs)
+        for (int c = 0; c < C; ++c) a0[c] = dp_bf16(a0[c], vt[jp * C + c], pp[jp]);
+      for (int c = 0; c < C; ++c) {
+        _mm512_storeu_ps(ai + 16 * c, a0[c]);
+        _mm512_storeu_ps(ai + d + 16 * c, a1[c]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* ai = acc + i * 2 * d;
+    alignas(64) float lanes[16];
+    for (int c = 0; c < C; ++c) {  // vector c = 2b + h: lane 4g + e is dim 32b + 8g + 4h + e
+      _mm512_store_ps(lanes, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(ai + 16 * c),
+                                                         _mm512_loadu_ps(ai + d + 16 * c)),
+                                           _mm512_set1_ps(inv[i])));
+      const int64_t base = 32 * (c / 2) + 4 * (c % 2);
+      for (int l = 0; l < 16; ++l) outs[i][base + 8 * (l / 4) + l % 4] = lanes[l];
+    }
+  }
+}
+
+using AttendBf16Fn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, int64_t,
+                              const uint16_t*, const uint16_t*, float, float*, uint16_t*, int64_t, float*);
+
+template <bool Paths>
+AttendBf16Fn attend_bf16_for(int64_t d) {
+  switch (d) {
+    case 32: return attend_group_bf16<2, Paths>;
+    case 64: return attend_group_bf16<4, Paths>;
+    case 96: return attend_group_bf16<6, Paths>;
+    case 128: return attend_group_bf16<8, Paths>;
+    case 256: return attend_group_bf16<16, Paths>;
+    default: return nullptr;
+  }
+}
+
+bool bf16_supported() {
+  static const bool ok = quasar::cpu_has_vnni() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
 // act[r, c] = silu(gu[r, c]) * gu[r, inter + c]: gate and up side by side in gu.
 QUASAR_AVX512 void silu_mul(const float* gu, int64_t rows, int64_t inter, float* act) {
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -386,7 +608,7 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList tiles, at::TensorL
 
 // x [1, T, H] float32 -> the hidden states after all L layers [1, T, H], for the rows of a
 // verifier step over one or more cache slots (quasar/models/rows.py). k_cache / v_cache are
-// [L, slots, KVH, S, D] float32. Row t belongs to slot slots[t], whose committed length is
+// [L, slots, KVH, S, D] float32 or bfloat16. Row t belongs to slot slots[t], whose committed length is
 // starts[t]; the rows of a slot are contiguous and form a tree: parents[t] is row t's parent
 // row (an index into the whole step; -1 for the slot's first row, its pending token; a chain
 // has parents[t] = t - 1). Row t's K/V go to its slot at starts[t] + (t - the slot's first
@@ -412,10 +634,12 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
               "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
   const int64_t T = x.size(1), H = x.size(2);
   TORCH_CHECK(T >= 1 && T <= kMaxRows, "w8a8_decoder_layers: 1..", kMaxRows, " rows, got ", T);
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && k_cache.size(2) == n_kv_heads,
-              "w8a8_decoder_layers: caches must be contiguous float32 [L, slots, KVH, S, D]");
+                  v_cache.is_contiguous() && (bf16 || k_cache.scalar_type() == at::kFloat) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == n_kv_heads,
+              "w8a8_decoder_layers: caches must be contiguous float32 or bfloat16 [L, slots, KVH, S, D]");
+  TORCH_CHECK(!bf16 || bf16_supported(), "w8a8_decoder_layers: a bfloat16 cache needs an AVX512-BF16 CPU");
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
               "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
   const int64_t L = k_cache.size(0), n_slots = k_cache.size(1), D = k_cache.size(4), S = k_cache.size(3);
@@ -466,7 +690,11 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   }
   // A batch of chains keeps the plain kernel (no key lookups at all).
   const AttendFn attend = is_chain ? attend_for<false>(D) : attend_for<true>(D);
+  const AttendBf16Fn attend_bf16 = is_chain ? attend_bf16_for<false>(D) : attend_bf16_for<true>(D);
   TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
+  TORCH_CHECK(!bf16 || attend_bf16 != nullptr,
+              "w8a8_decoder_layers: a bfloat16 cache needs head_dim 32, 64, 96, 128 or 256");
+  const int64_t stride = (max_keys + 15) / 16 * 16;  // of the score rows
   const float* cs = float_data(cos, T * D, "cos");
   const float* sn = float_data(sin, T * D, "sin");
   const float feps = static_cast<float>(eps);
@@ -512,9 +740,12 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
     // attention block
     rms_norm(xs, T, H, w_in, feps, h.data());
     int8_rows(h.data(), T, H, g.qkv, 3, proj.data(), nqkv, g.bits_qkv);
-    // this layer's cache; slot s's kv head h at ((s * KVH + h) * S) * D
-    float* kc = k_cache.data_ptr<float>() + l * n_slots * n_kv_heads * S * D;
-    float* vc = v_cache.data_ptr<float>() + l * n_slots * n_kv_heads * S * D;
+    // this layer's cache (float32 or bf16); slot s's kv head h at ((s * KVH + h) * S) * D
+    const int64_t layer_at = l * n_slots * n_kv_heads * S * D;
+    float* kc = bf16 ? nullptr : k_cache.data_ptr<float>() + layer_at;
+    float* vc = bf16 ? nullptr : v_cache.data_ptr<float>() + layer_at;
+    uint16_t* kcb = bf16 ? reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()) + layer_at : nullptr;
+    uint16_t* vcb = bf16 ? reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()) + layer_at : nullptr;
     for (int64_t t = 0; t < T; ++t) {
       float* row = proj.data() + t * nqkv;
       if (w_qn) rms_norm(row, n_heads, D, w_qn, feps, row);
@@ -522,12 +753,18 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
       for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
       for (int64_t kv = 0; kv < n_kv_heads; ++kv) {
         const int64_t at_row = ((slots[t] * n_kv_heads + kv) * S + cache_row[t]) * D;
-        std::copy_n(row + nq + kv * D, D, kc + at_row);
-        std::copy_n(row + nq + nkv + kv * D, D, vc + at_row);
+        if (bf16) {
+          to_bf16(row + nq + kv * D, D, kcb + at_row);
+          to_bf16(row + nq + nkv + kv * D, D, vcb + at_row);
+        } else {
+          std::copy_n(row + nq + kv * D, D, kc + at_row);
+          std::copy_n(row + nq + nkv + kv * D, D, vc + at_row);
+        }
       }
     }
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(kMaxGroupQueries * max_keys), acc(kMaxGroupQueries * 2 * D);
+      std::vector<float> scores(kMaxGroupQueries * stride), acc(kMaxGroupQueries * 2 * D);
+      std::vector<uint16_t> probs(bf16 ? kMaxGroupQueries * stride : 0);
       const float* qp[kMaxGroupQueries];
       float* op[kMaxGroupQueries];
       int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
@@ -543,8 +780,12 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
           tl[qi - it.q0] = tails[t];
         }
         const int64_t head = (it.slot * n_kv_heads + it.kv) * S * D;
-        attend(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, kc + head, vc + head, scale, scores.data(), max_keys,
-               acc.data());
+        if (bf16)
+          attend_bf16(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, kcb + head, vcb + head, scale, scores.data(),
+                      probs.data(), stride, acc.data());
+        else
+          attend(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, kc + head, vc + head, scale, scores.data(), stride,
+                 acc.data());
       }
     });
     int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H, g.bits_o);
@@ -563,7 +804,17 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
 #endif
 }
 
+// Whether w8a8_decoder_layers takes a bfloat16 KV cache here (an AVX512-BF16 CPU).
+bool w8a8_bf16_supported() {
+#ifdef QUASAR_LAYER_KERNEL
+  return bf16_supported();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
+  m.def("w8a8_bf16_supported() -> bool", &w8a8_bf16_supported);
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] tiles, Tensor[] scales, Tensor?[] biases, "
