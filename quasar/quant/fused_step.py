@@ -58,6 +58,7 @@ class FusedW8A8Step:
     def __init__(self, model: nn.Module):
         self.model = model
         self._op: Any = None
+        self._bf16 = False  # whether the op attends over a bf16 cache (checked in _build)
         self._plan: tuple[list, ...] | None = None  # flat per-layer argument lists of the op
         # What to recheck before each step, as columns: (owner dicts, keys, objects)
         self._watch: tuple[tuple, tuple, tuple] = ((), (), ())
@@ -68,11 +69,11 @@ class FusedW8A8Step:
             return None
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1:
             return None
-        if cache.k.dtype != torch.float32 and not (cache.k.dtype == torch.bfloat16 and _bf16_attention(self.model)):
-            return None
         if self._plan is None or not self._unchanged():
             if not self._build():
                 return None
+        if cache.k.dtype != torch.float32 and not (cache.k.dtype == torch.bfloat16 and self._bf16):
+            return None
         cfg = self.model.config
         norms, weights, tiles, scales, biases, comps, act_bits = self._plan
         starts = [rows.starts[s] for s in rows.slots]
@@ -94,6 +95,7 @@ class FusedW8A8Step:
         self._op = ext.decoder_layer_op()
         if self._op is None:
             return False
+        self._bf16 = _bf16_attention(self.model)
         if self.model.config.head_dim not in _HEAD_DIMS:
             return False
         layers = self.model.model.layers

@@ -376,13 +376,17 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
   const auto query_rows = [&](const uint16_t* base, int64_t i, int64_t j0, int64_t cnt) {
     for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = jj < cnt ? base + key_row<Paths>(keys, i, j0 + jj) * d : nullptr;
   };
-  // A chunk is shared when every query's keys there are rows j0.. of the cache.
+  // A chunk is shared when every query's keys there are rows j0.. of the cache; then
+  // rows[jj] = row j0 + jj for every row the step has (zeros past n_max).
   const auto shared = [&](int64_t j0) { return !Paths || j0 + 16 <= shared_until; };
+  const auto shared_rows = [&](const uint16_t* base, int64_t j0) {
+    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? base + (j0 + jj) * d : nullptr;
+  };
   alignas(64) __m512i kt[np];
   for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
     const bool one = shared(j0);
     if (one) {
-      for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? k + (j0 + jj) * d : nullptr;
+      shared_rows(k, j0);
       load_kt<C>(rows, kt);
     }
     for (int64_t i = 0; i < nq; ++i) {
@@ -430,7 +434,7 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
   for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
     const bool one = shared(j0);
     if (one) {
-      for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? v + (j0 + jj) * d : nullptr;
+      shared_rows(v, j0);
       load_vt<C>(rows, vt);
     }
     for (int64_t i = 0; i < nq; ++i) {
