@@ -535,7 +535,37 @@ def test_small_m_kernel_can_be_disabled(small_m, monkeypatch) -> None:
     finally:
         ext.small_m_max(16)
     assert torch.equal(plain(x), y)  # QUASAR_NO_EXT: the pure-PyTorch path
-    assert ext.small_m_max(99) == 16 and ext.small_m_max() == 16  # capped at 16
+    assert ext.small_m_max(999) == 16 and ext.small_m_max() == 128  # capped at 128
+    ext.small_m_max(16)
+
+
+@pytest.mark.parametrize("act_bits", [8, 15])
+def test_small_m_kernel_takes_a_prefill_chunk_bitwise(small_m, act_bits: int) -> None:
+    """The fused op's GEMMs multiply all rows of a step (up to 128) in one small-M call,
+    each weight tile read once and every row passed over it from L2: the same bits as
+    oneDNN and the reference, and each row's result is its own whatever the row count."""
+    from quasar.quant import ext
+
+    for k, n in ((577, 193), (1536, 130)):
+        _, layer = _layer(k, n, bias=True)
+        layer.act_bits = act_bits
+        assert layer.packing().packed.tiles is not None  # the small-M kernel's operand
+        ref = Int8Linear.from_float(nn.Linear(k, n), backend="reference", act_bits=act_bits)
+        ref.load_state_dict(layer.state_dict())
+        x = _hard_rows(128, k, torch.float32)
+        onednn = ext.small_m_max(0)
+        try:
+            want = layer(x)  # oneDNN inside the op
+        finally:
+            ext.small_m_max(onednn)
+        assert torch.equal(want, ref(x)), (k, act_bits)
+        ext.small_m_max(128)
+        try:
+            for m in (17, 40, 97, 128):
+                assert torch.equal(layer(x[:m]), want[:m]), (k, act_bits, m)
+            assert torch.equal(layer(x[-23:]), want[-23:])
+        finally:
+            ext.small_m_max(16)
 
 
 # ---------------------------------------------------------------- 15-bit activations

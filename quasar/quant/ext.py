@@ -105,7 +105,7 @@ def small_m_supported() -> bool:
 
 
 def small_m_max(value: int | None = None) -> int:
-    """The largest M the op sends to its small-M kernel (0..16; 0 disables it); with
+    """The largest M the op sends to its small-M kernel (default 16, at most 128; 0 disables it); with
     ``value``, set it process-wide and return the previous one. 0 without the op."""
     if int8_linear_op() is None:
         return 0

@@ -9,8 +9,8 @@
 //
 // Layer (Llama family, T <= kMaxRows rows: chains or token trees in one or more cache
 // slots, float32 activations):
-//   h = rmsnorm(x) * w_in; q, k, v = W8A8(h) (one quantization, one parallel GEMM per
-//   16 rows); optional per-head q/k rmsnorm (Qwen3); RoPE; each row's k, v written to its
+//   h = rmsnorm(x) * w_in; q, k, v = W8A8(h) (one quantization, one parallel GEMM for
+//   all rows); optional per-head q/k rmsnorm (Qwen3); RoPE; each row's k, v written to its
 //   slot past the slot's committed length; attention of each row over its slot's committed
 //   keys and then its path (for a chain: keys [0, start + i]); x += W8A8_o(attn);
 //   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
@@ -53,8 +53,9 @@ namespace {
 // Rows of a verifier step (a chain or a token tree: the pending token and its draft nodes);
 // longer prefills use the PyTorch path. fused_step.MAX_ROWS is the same number.
 constexpr int64_t kMaxRows = 128;
-// Rows one small-M GEMM call takes (int8_gemm.h); a longer step runs its GEMMs in blocks.
-constexpr int64_t kGemmRows = 16;
+// Rows one small-M GEMM call takes (int8_gemm.h): all of a step's, so a prefill chunk
+// reads each weight tile from memory once and multiplies all its rows by it from L2.
+constexpr int64_t kGemmRows = kMaxRows;
 // Most query vectors one attention call takes (the rest go to further calls). Each call
 // streams (and for a bf16 cache transposes) its kv head's keys once: 32 made a 5.3k-token
 // prefill 1.2x faster than 16; 64 was no better.

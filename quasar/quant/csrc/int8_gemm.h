@@ -43,7 +43,7 @@ bool cpu_has_vnni();
 void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx);
 
 // y[m, seg.y_col + n] = ((float(xu[m] . w[n] - comp[n]) * ws[n]) * sx[m]) + bias[n] for
-// every segment and 1 <= M <= 16 rows of xu [M, padded_k(K)] (VNNI CPUs only); bitwise
+// every segment and 1 <= M <= 128 rows of xu [M, padded_k(K)] (VNNI CPUs only); bitwise
 // Int8Linear's result.
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride);

@@ -138,7 +138,10 @@ void epilogue(const Acc* acc, int64_t acc_stride, const int32_t* comp, const flo
 }
 
 // ---------------------------------------------------------------- small-M VNNI GEMM
-constexpr int64_t kSmallMaxRows = 16;  // rows small_m_gemm takes
+constexpr int64_t kSmallMaxRows = 16;  // rows int8_linear sends to small_m_gemm by default
+// Rows small_m_gemm takes: every row passes over a weight tile while it is in L2, so many
+// rows (a prefill chunk) read the weights from memory once, not once per 16 rows.
+constexpr int64_t kTiledMaxRows = 128;
 // Largest M sent to small_m_gemm (0 disables it); settable for benchmarks and tests.
 std::atomic<int64_t> g_small_m_max{kSmallMaxRows};
 
@@ -232,15 +235,16 @@ namespace {
 
 // The small-M GEMM over all segments: output columns cut into chunks spread over the
 // intra-op threads (one parallel region for q, k and v together); each chunk runs its
-// own epilogue (elementwise, so the split never changes a bit). Rows past 8 are a second
-// pass over the chunk's weights while they are still in cache, not a second read from
-// memory. kSplit: the activations are 15-bit, q = 128 * hi + lo, given as two uint8
+// own epilogue (elementwise, so the split never changes a bit). Rows past the first pass's
+// 6 are further passes over the chunk's weights while they are still in L2, not another
+// read from memory: up to kTiledMaxRows rows (the fused decoder op sends a whole prefill
+// chunk) read the weights once. kSplit: the activations are 15-bit, q = 128 * hi + lo, given as two uint8
 // arrays (hi + 128, lo + 128); both products are exact int32s, combined in int64.
 template <bool kSplit>
 void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, const quasar::Int8Segment* segs,
                   int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
 #ifdef QUASAR_VNNI_KERNEL
-  TORCH_CHECK(M >= 1 && M <= kSmallMaxRows, "int8 small-M GEMM called with M = ", M);
+  TORCH_CHECK(M >= 1 && M <= kTiledMaxRows, "int8 small-M GEMM called with M = ", M);
   constexpr int64_t kChunk = quasar::kTile;  // output columns per task: one weight tile
   int64_t first[8 + 1] = {0};  // chunk index where segment s starts
   TORCH_CHECK(n_segs >= 1 && n_segs <= 8, "int8 small-M GEMM: 1..8 segments");
@@ -252,8 +256,10 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
   // A task reads at least ~64 KiB of weights: less does not pay for waking a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
   at::parallel_for(0, first[n_segs], grain, [&](int64_t c0, int64_t c1) {
-    int32_t acc[kSmallMaxRows * kChunk];
-    int32_t acc_lo[kSplit ? kSmallMaxRows * kChunk : 1];
+    std::vector<int32_t> acc_buf(M * kChunk), acc_lo_buf(kSplit ? M * kChunk : 0);
+    std::vector<int64_t> wide_buf(kSplit ? M * kChunk : 0);
+    int32_t *acc = acc_buf.data(), *acc_lo = acc_lo_buf.data();
+    int64_t* wide = wide_buf.data();
     int64_t s = 0;
     for (int64_t c = c0; c < c1; ++c) {
       while (c >= first[s + 1]) ++s;
@@ -272,7 +278,6 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
       take_comp(acc);
       if (kSplit) {  // 128 * hi + lo in int64, then the same epilogue as scale_output's
         take_comp(acc_lo);
-        int64_t wide[kSmallMaxRows * kChunk];
         for (int64_t m = 0; m < M; ++m)
           for (int64_t j = 0; j < n_len; ++j)
             wide[m * kChunk + j] = int64_t{acc[m * kChunk + j]} * 128 + acc_lo[m * kChunk + j];
@@ -310,7 +315,7 @@ void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
 }
 
 // y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x w [N, K]^T - comp)
-// for every segment (w packed in seg.tiles), 1 <= M <= 16 (see small_m_rows).
+// for every segment (w packed in seg.tiles), 1 <= M <= 128 (see small_m_rows).
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride) {
   small_m_rows<false>(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride);
@@ -458,11 +463,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
   return finish();
 }
 
-// The largest M that takes the small-M kernel (1..16; 0 disables it); max_m < 0 only reads.
-// Returns the previous value.
+// The largest M that takes the small-M kernel (default 16, at most kTiledMaxRows; 0 disables
+// it); max_m < 0 only reads. Returns the previous value.
 int64_t int8_small_m_max(int64_t max_m) {
   if (max_m < 0) return g_small_m_max.load();
-  return g_small_m_max.exchange(std::min(max_m, kSmallMaxRows));
+  return g_small_m_max.exchange(std::min(max_m, kTiledMaxRows));
 }
 
 // The weight [N, K] int8 in the small-M kernel's tile layout (quasar::pack_tiles).
