@@ -187,9 +187,9 @@ def cpu_pack(weight: Tensor) -> CpuPacked:
     comp = u8x_pack(weight)[1] if "u8x" in (one, many) or tiles is not None else None
     if tiles is not None:
         # Steps of up to 16 rows read only the tiles, and longer ones are rare (the fused
-        # step's GEMMs, prefill chunks included, read only the tiles too): let the OS drop the row-major copy's pages
-        # (a memory-mapped checkpoint's come back from the file if oneDNN reads them), so the
-        # weights are resident once, not twice.
+        # step's GEMMs, prefill chunks included, read only the tiles too): let the OS drop
+        # the row-major copy's pages (a memory-mapped checkpoint's come back from the file
+        # if oneDNN reads them), so the weights are resident once, not twice.
         ext.release_pages(weight)
     return CpuPacked(one, many, weight, comp, tiles)
 

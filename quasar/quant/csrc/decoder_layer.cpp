@@ -53,9 +53,6 @@ namespace {
 // Rows of a verifier step (a chain or a token tree: the pending token and its draft nodes);
 // longer prefills use the PyTorch path. fused_step.MAX_ROWS is the same number.
 constexpr int64_t kMaxRows = 128;
-// Rows one small-M GEMM call takes (int8_gemm.h): all of a step's, so a prefill chunk
-// reads each weight tile from memory once and multiplies all its rows by it from L2.
-constexpr int64_t kGemmRows = kMaxRows;
 // Most query vectors one attention call takes (the rest go to further calls). Each call
 // streams (and for a bf16 cache transposes) its kv head's keys once: 32 made a 5.3k-token
 // prefill 1.2x faster than 16; 64 was no better.
@@ -552,9 +549,11 @@ quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& tiles, const 
 }
 
 // y [rows, y_stride] columns of `segs` = W8A8(x [rows, K]), or W8A15 (15-bit activations
-// split in two int8 halves) when act_bits is 15; rows <= kGemmRows.
-void int8_block(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
-                float* y, int64_t y_stride, int64_t act_bits) {
+// split in two int8 halves) when act_bits is 15; rows <= kMaxRows, all in one small-M call
+// (int8_gemm.h), so a prefill chunk reads each weight tile from memory once and multiplies
+// all its rows by it from L2. Each row is quantized and multiplied on its own.
+void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
+               float* y, int64_t y_stride, int64_t act_bits) {
   std::vector<float> sx(rows);
   if (act_bits == 15) {
     std::vector<uint8_t> hi(rows * quasar::padded_k(k)), lo(rows * quasar::padded_k(k));
@@ -565,15 +564,6 @@ void int8_block(const float* x, int64_t rows, int64_t k, const quasar::Int8Segme
   std::vector<uint8_t> q(rows * quasar::padded_k(k));
   quasar::quantize_rows_u8(x, rows, k, q.data(), sx.data());
   quasar::small_m_gemm(q.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
-}
-
-// int8_block over any number of rows, kGemmRows at a time: each row is quantized and
-// multiplied on its own, so the blocks change no bit (each block reads the weights once).
-void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
-               float* y, int64_t y_stride, int64_t act_bits) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kGemmRows)
-    int8_block(x + r0 * k, std::min(kGemmRows, rows - r0), k, segs, n_segs, y + r0 * y_stride, y_stride,
-               act_bits);
 }
 
 // The linears of one layer as GEMM segments, checked against the head layout.

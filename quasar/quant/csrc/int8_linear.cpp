@@ -238,8 +238,9 @@ namespace {
 // own epilogue (elementwise, so the split never changes a bit). Rows past the first pass's
 // 6 are further passes over the chunk's weights while they are still in L2, not another
 // read from memory: up to kTiledMaxRows rows (the fused decoder op sends a whole prefill
-// chunk) read the weights once. kSplit: the activations are 15-bit, q = 128 * hi + lo, given as two uint8
-// arrays (hi + 128, lo + 128); both products are exact int32s, combined in int64.
+// chunk) read the weights once. kSplit: the activations are 15-bit, q = 128 * hi + lo,
+// given as two uint8 arrays (hi + 128, lo + 128); both products are exact int32s,
+// combined in int64.
 template <bool kSplit>
 void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, const quasar::Int8Segment* segs,
                   int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
