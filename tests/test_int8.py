@@ -614,7 +614,7 @@ def test_tile_layout_matches_its_definition(small_m) -> None:
     gen = torch.Generator().manual_seed(3)
     for n, k in ((1, 1), (17, 5), (64, 8), (100, 131), (130, 4)):
         w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-        k4 = -(-k // 4) * 4
+        k4 = -(-k // 64) * 64  # columns padded to 64 (an AMX tile's row)
         want = torch.zeros(-(-n // 16) * 16 * k4, dtype=torch.int8)
         for r in range(n):
             tile, i = divmod(r, 64)
@@ -650,3 +650,89 @@ def test_released_weight_pages_leave_memory_and_lose_nothing(ext_op, tmp_path) -
     anon = w.clone()  # anonymous memory: kept (or swapped), never lost
     ext.release_pages(anon)
     assert torch.equal(anon, w)
+
+
+# ---------------------------------------------------------------- AMX (Sapphire Rapids and later)
+@pytest.fixture
+def amx(small_m):
+    """The op with its AMX path available (skipped on CPUs without AMX-INT8); the AMX row
+    threshold and the small-M limit are restored afterwards."""
+    from quasar.quant import ext
+
+    if not ext.amx_supported():
+        pytest.skip("CPU without AMX-INT8 (or Linux refuses the tile state)")
+    old_min, old_max = ext.amx_min_rows(), ext.small_m_max(128)
+    yield small_m
+    ext.amx_min_rows(old_min)
+    ext.small_m_max(old_max)
+
+
+@pytest.mark.parametrize("act_bits", [8, 15])
+def test_amx_sums_are_bitwise_the_vnni_kernels(amx, act_bits: int) -> None:
+    """Tile multiplies and vpdpbusd compute the same exact int32 sums: every row count
+    (one and several 16-row blocks, partial last blocks), K not a multiple of 64 (padded),
+    N with partial tiles and vectors, 8- and 15-bit activations give the same bits."""
+    from quasar.quant import ext
+
+    gen = torch.Generator().manual_seed(act_bits)
+    for k, n in ((1, 1), (5, 17), (64, 48), (131, 100), (577, 193), (1536, 130)):
+        w = _int8(gen, n, k)
+        ws = torch.rand(n, 1, generator=gen) / 100
+        bias = torch.randn(n, generator=gen)
+        comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
+        tiles = ext.pack_tiles(w)
+        for m in (1, 2, 3, 15, 16, 17, 33, 64, 100, 128):
+            x = _hard_rows(m, k, torch.float32)
+            ext.amx_min_rows(0)
+            want = amx(x, w, ws, bias, comp, True, True, tiles, act_bits)
+            ext.amx_min_rows(1)
+            got = amx(x, w, ws, bias, comp, True, True, tiles, act_bits)
+            assert torch.equal(got, want), (k, n, m, act_bits)
+        if k > 1:  # and oneDNN's
+            ext.small_m_max(0)
+            assert torch.equal(amx(x, w, ws, bias, comp, True, True, tiles, act_bits), got)
+            ext.small_m_max(128)
+
+
+def test_amx_is_on_by_default_and_can_be_turned_off(amx) -> None:
+    """Where the CPU has AMX, steps of 2+ rows use it and Int8Linear sends it up to 128 rows;
+    QUASAR_NO_AMX=1 in a fresh process keeps the VNNI kernel and its 16-row limit."""
+    import subprocess
+
+    code = ("from quasar.quant import ext; ext.int8_linear_op(); "
+            "print(ext.amx_supported(), ext.amx_min_rows(), ext.small_m_max())")
+    env = {k: v for k, v in os.environ.items() if k != "QUASAR_NO_AMX"}
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "QUASAR_NO_AMX": "1"},
+                         capture_output=True, text=True, check=True)
+    assert on.stdout.split() == ["True", "2", "128"]
+    assert off.stdout.split() == ["True", "0", "16"]
+
+
+# ---------------------------------------------------------------- argmax / top-k of logits rows
+def test_row_argmax_topk_matches_torch(ext_op) -> None:
+    """The one-pass select op picks torch.argmax's token in every row (first of equal
+    maxima, -0.0 == 0.0, a NaN wins) and the same top-k values as torch.topk."""
+    from quasar.quant import ext
+
+    op = ext.row_argmax_topk_op()
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        rows, vocab = int(torch.randint(1, 20, (1,), generator=gen)), int(torch.randint(1, 3000, (1,), generator=gen))
+        x = torch.randn(rows, vocab, generator=gen)
+        if trial % 3 == 0:
+            x = torch.randint(-3, 4, (rows, vocab), generator=gen).float()  # many ties
+        if trial % 5 == 0:
+            x[0, int(torch.randint(0, vocab, (1,), generator=gen))] = float("nan")
+        if trial % 7 == 0:
+            x.zero_()
+            x[:, 1::2] = -0.0
+        k = min(vocab, 8)
+        best, top = op(x, k)
+        assert torch.equal(best, x.argmax(dim=-1)), trial
+        finite = torch.nan_to_num(x, nan=-float("inf"))
+        assert torch.equal(finite.gather(1, top), finite.topk(k, dim=-1).values), trial
+    best, top = op(torch.randn(3, 50), 0)
+    assert best.shape == (3,) and top.shape == (3, 0)
+    with pytest.raises(RuntimeError, match="k must be"):
+        op(torch.randn(2, 5), 6)

@@ -243,6 +243,9 @@ class Transformer(nn.Module):
         # hidden states after all layers, or None to run the modules. Installed by
         # quasar.quant.fused_step on W8A8 models.
         self.step_kernel = None
+        # Optional fast argmax / top-k of logits rows: (logits [R, V] float32, k) ->
+        # (argmax [R], top-k ids [R, k]) with torch.argmax's choice; see row_argmax_topk.
+        self.select_kernel = None
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -283,6 +286,17 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, rows)
         return x
+
+    def row_argmax_topk(self, logits: Tensor, k: int = 0) -> tuple[list[int], list[list[int]] | None]:
+        """Per row of `logits` [R, V]: the greedy token (torch.argmax's choice: ties and NaN
+        alike) and, for k > 0, the ids of the k largest logits, best first (None for k = 0).
+        One pass of the select kernel when installed (a tree or batched step's rows against a
+        large vocabulary cost ~1 ms in torch), else torch."""
+        if self.select_kernel is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" \
+                and k <= min(64, logits.shape[-1]):
+            best, top = self.select_kernel(logits, k)
+            return best.tolist(), (top.tolist() if k else None)
+        return logits.argmax(dim=-1).tolist(), (logits.topk(k, dim=-1).indices.tolist() if k else None)
 
     @torch.inference_mode()
     def step(self, rows: Rows, logits: str = "all") -> Tensor | None:

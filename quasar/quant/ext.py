@@ -20,6 +20,9 @@ Small M: on a CPU with AVX512-VNNI the op computes M <= 16 rows (the speculative
 k + 1 tokens) with a hand-written kernel that reads the weight once, instead of oneDNN's
 ``_int_mm`` (several times its M = 1 cost there); the int32s and hence the outputs are the same bits.
 :func:`small_m_max` reads or sets the threshold (0: always oneDNN), for benchmarks and tests.
+On a CPU with AMX-INT8 the same kernel computes steps of 2 or more rows with tile matrix
+multiplies (:func:`amx_min_rows`; ``QUASAR_NO_AMX=1`` keeps it off): the same exact int32
+sums, so extra rows (drafts, batched sequences) cost little more than the first.
 
 Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a
 compiler or ninja, on a failed build or load, or off POSIX, :func:`int8_linear_op` returns
@@ -49,27 +52,32 @@ from quasar.paths import cache_dir
 
 __all__ = [
     "ENV_DISABLE",
+    "ENV_NO_AMX",
     "build_dir",
     "disabled",
     "info",
     "decoder_layer_op",
+    "row_argmax_topk_op",
     "int8_linear_op",
     "parallel_threads",
     "pack_tiles",
     "release_pages",
     "small_m_max",
     "small_m_supported",
+    "amx_supported",
+    "amx_min_rows",
     "bf16_kv_supported",
 ]
 
 log = logging.getLogger(__name__)
 
 ENV_DISABLE = "QUASAR_NO_EXT"
+ENV_NO_AMX = "QUASAR_NO_AMX"  # keep AMX off (the VNNI kernel for every row count)
 NAME = "int8_linear"
 CSRC = Path(__file__).resolve().parent / "csrc"
-# One library: the linear op, and the whole-layer op of quasar.quant.fused_step built on
-# the same GEMM (int8_gemm.h). The cache digest covers every file here.
-SOURCES = (CSRC / f"{NAME}.cpp", CSRC / "decoder_layer.cpp")
+# One library: the linear op, the whole-layer op of quasar.quant.fused_step built on the
+# same GEMM (int8_gemm.h), and the per-row argmax / top-k of a step's logits. The cache digest covers every file here.
+SOURCES = (CSRC / f"{NAME}.cpp", CSRC / "decoder_layer.cpp", CSRC / "row_select.cpp")
 HEADERS = (CSRC / "int8_gemm.h",)
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
@@ -105,11 +113,28 @@ def small_m_supported() -> bool:
 
 
 def small_m_max(value: int | None = None) -> int:
-    """The largest M the op sends to its small-M kernel (default 16, at most 128; 0 disables it); with
+    """The largest M the op sends to its small-M kernel (default 16, 128 where AMX computes them;
+    at most 128; 0 disables it); with
     ``value``, set it process-wide and return the previous one. 0 without the op."""
     if int8_linear_op() is None:
         return 0
     return int(torch.ops.quasar_quant.int8_small_m_max(-1 if value is None else max(0, value)))
+
+
+def amx_supported() -> bool:
+    """True when the small-M kernel computes multi-row steps with AMX here (AMX-INT8 CPUs:
+    Sapphire Rapids and later; Linux must allow the tile state). False without the op."""
+    return small_m_supported() and bool(torch.ops.quasar_quant.int8_amx_supported())
+
+
+def amx_min_rows(value: int | None = None) -> int:
+    """The smallest M the small-M kernel sends to AMX where the CPU has it (0: never; the
+    default 2, and 0 when ``QUASAR_NO_AMX`` is set at load); with ``value``, set it
+    process-wide and return the previous one. 0 without the op. AMX and VNNI compute the
+    same exact int32 sums, so this changes speed, never a bit of the results."""
+    if int8_linear_op() is None:
+        return 0
+    return int(torch.ops.quasar_quant.int8_amx_min_rows(-1 if value is None else max(0, value)))
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
@@ -139,6 +164,13 @@ def parallel_threads() -> int:
 def bf16_kv_supported() -> bool:
     """True when the decoder op takes a bfloat16 KV cache here (AVX512-BF16; False without op)."""
     return small_m_supported() and bool(torch.ops.quasar_quant.w8a8_bf16_supported())
+
+
+def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """``torch.ops.quasar_quant.row_argmax_topk`` (logits [R, V] float32, k) -> (argmax [R],
+    top-k ids [R, k]): torch.argmax's choice per row and the k largest, in one pass;
+    None without the op."""
+    return torch.ops.quasar_quant.row_argmax_topk if int8_linear_op() is not None else None
 
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:
@@ -185,6 +217,8 @@ def _load() -> None:
             path = build_dir() / f"{NAME}.so"
             state = _load_or_build(path)
             op = torch.ops.quasar_quant.int8_linear
+            if os.environ.get(ENV_NO_AMX, "").strip() not in ("", "0"):
+                torch.ops.quasar_quant.int8_amx_min_rows(0)
             _self_check(op)
             _op = op
             _info.update(state=state, path=str(path))

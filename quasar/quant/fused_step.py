@@ -170,7 +170,10 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def install(model: nn.Module) -> None:
-    """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called) and
-    its KV cache dtype."""
+    """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called), its
+    KV cache dtype and the one-pass argmax / top-k of its logits rows."""
+    from quasar.quant import ext
+
     model.step_kernel = FusedW8A8Step(model)
     model.kv_dtype = kv_cache_dtype(model)
+    model.select_kernel = ext.row_argmax_topk_op()

@@ -64,9 +64,11 @@ def accept_sampling(draft: list[int], probs: torch.Tensor, generator: torch.Gene
     return out
 
 
-def accept_greedy_tree(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+def accept_greedy_tree(tree: DraftTree, logits: torch.Tensor,
+                       best: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Greedy acceptance over a draft tree: from the pending token (row 0), follow the child
     whose token is the row's argmax while there is one. Row i + 1 judges node i's children.
+    `best`: the rows' argmax when the caller has it already (torch.argmax's choices).
 
     Returns (accepted nodes, root first down the path; emitted tokens: theirs plus the
     argmax of the last accepted row). Equal to autoregressive greedy decoding of the
@@ -75,7 +77,10 @@ def accept_greedy_tree(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int]
     if logits.dim() != 2 or logits.shape[0] != len(tree) + 1:
         raise ValueError(f"expected {len(tree) + 1} verifier rows for {len(tree)} draft nodes, "
                          f"got shape {tuple(logits.shape)}")
-    best = logits.argmax(dim=-1).tolist()  # one device sync for the whole step
+    if best is None:
+        best = logits.argmax(dim=-1).tolist()  # one device sync for the whole step
+    elif len(best) != len(tree) + 1:
+        raise ValueError(f"expected {len(tree) + 1} argmax values, got {len(best)}")
     path, node = [], -1
     while True:
         want = best[node + 1]

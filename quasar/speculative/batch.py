@@ -150,11 +150,18 @@ class BatchDecoder:
             except Exception as e:
                 out += [self._fail(entry, e) for entry, _, _ in group]
                 continue
+            try:  # every row's argmax and top ids at once (what greedy acceptance and recycling read)
+                k = max(entry.seq.drafter.observe_top_k for entry, _, _ in group)
+                best, top = self.model.row_argmax_topk(logits, k)
+            except Exception as e:
+                out += [self._fail(entry, e) for entry, _, _ in group]
+                continue
             end = 0
             for entry, toks, _ in group:
                 base, end = end, end + len(toks)  # the sequence's rows in the call
                 try:
-                    kept, chunk = entry.seq.accept(logits[base:end])
+                    kept, chunk = entry.seq.accept(logits[base:end], best[base:end],
+                                                   top[base:end] if top is not None else None)
                     self.cache.commit(entry.slot, [base + r for r in kept], rows)
                 except Exception as e:
                     out.append(self._fail(entry, e))

@@ -236,13 +236,16 @@ class Sequence:
         self.tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
         return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
 
-    def accept(self, logits: torch.Tensor) -> tuple[list[int], Chunk | None]:
+    def accept(self, logits: torch.Tensor, best: list[int] | None = None,
+               top: list[list[int]] | None = None) -> tuple[list[int], Chunk | None]:
         """Judge the step's rows (`logits` [rows, vocab], in `next_rows` order): returns the
         rows to keep in the cache (the pending token and the accepted drafts, root first)
-        and what the step added to the output (None when nothing shows yet)."""
+        and what the step added to the output (None when nothing shows yet). A driver that
+        has the rows' argmax (`best`) and top ids (`top`, at least the drafter's
+        `observe_top_k` per row) passes them; otherwise they are computed here."""
         tree, params = self.tree, self.opts.sampling
         if self.gen is None:
-            path, emitted = accept_greedy_tree(tree, logits)
+            path, emitted = accept_greedy_tree(tree, logits, best)
         elif tree.is_chain:
             emitted = accept_sampling(tree.tokens, probs_from_logits(logits, params), self.gen)
             path = list(range(len(emitted) - 1))
@@ -257,9 +260,10 @@ class Sequence:
         stats.accepted_hist[len(emitted)] += 1
         if self.adaptive and tree.is_chain:
             self.adaptive.update(len(tree), n_acc)
-        if self.drafter.observe_top_k:
+        if (k := self.drafter.observe_top_k):
             row_tokens = [self.pending, *tree.tokens]
-            self.drafter.observe(row_tokens, logits.topk(self.drafter.observe_top_k, dim=-1).indices.tolist())
+            top = [ids[:k] for ids in top] if top is not None else logits.topk(k, dim=-1).indices.tolist()
+            self.drafter.observe(row_tokens, top)
 
         n_before, pieces = len(self.out.ids), []
         for i, token in enumerate(emitted):

@@ -8,18 +8,19 @@ namespace quasar {
 // Rows of a weight matrix per tile of the small-M GEMM's layout (pack_tiles).
 constexpr int64_t kTile = 64;
 
-// K rounded up to a multiple of 4: the row length of packed weights and quantized activations.
-inline int64_t padded_k(int64_t k) { return (k + 3) / 4 * 4; }
+// K rounded up to a multiple of 64: the row length of packed weights and quantized
+// activations (the padding zero weights): VNNI reads 4 columns at a time, an AMX tile 64.
+inline int64_t padded_k(int64_t k) { return (k + 63) / 64 * 64; }
 
-// Bytes of an int8 weight [n, K] packed in tiles: rows padded to 16, columns to 4.
+// Bytes of an int8 weight [n, K] packed in tiles: rows padded to 16, columns to 64.
 inline int64_t tiled_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * padded_k(k); }
 
 // w [n, K] int8 (row-major) -> out [tiled_bytes(n, K)], the small-M GEMM's layout: rows in
 // tiles of 64 (the last may hold fewer); within a tile, K in groups of 4 columns; group g of
 // tile t is nv * 64 bytes, nv = the tile's vectors of 16 rows, byte [v][i][j] = w[64 t + 16 v
 // + i][4 g + j], so one 64-byte load is 16 rows' next four weights (vpdpbusd's operand) and a
-// tile is read as one sequential stream. Tile t starts at byte 64 t * K4 (K4 = K rounded up
-// to 4); rows past n and columns past K are zero.
+// tile is read as one sequential stream. Tile t starts at byte 64 t * K4 (K4 = padded_k(K));
+// rows past n and columns past K are zero.
 void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out);
 
 // One weight matrix of a small-M GEMM: tiles = the int8 weight [n, K] in pack_tiles' layout,

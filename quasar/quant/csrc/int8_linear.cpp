@@ -45,6 +45,12 @@
 #define QUASAR_VNNI_KERNEL 1
 #include <immintrin.h>
 #define QUASAR_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define QUASAR_VNNI_WIDE __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#if defined(__linux__) && defined(__x86_64__) && (__GNUC__ >= 11 || defined(__clang__))
+#define QUASAR_AMX_KERNEL 1
+#include <sys/syscall.h>
+#define QUASAR_AMX __attribute__((target("amx-tile,amx-int8,avx512f")))
+#endif
 #endif
 
 namespace {
@@ -61,9 +67,15 @@ inline float bits_float(uint32_t b) {
   return v;
 }
 
+// The elementwise loops below (quantization, epilogue) are forced inline, so wrappers with
+// an AVX512 target attribute (on CPUs that run the small-M kernel) compile them with wide
+// vectors while the generic callers keep the baseline ISA. Elementwise IEEE operations give
+// the same bits at any vector width.
+#define QUASAR_INLINE inline __attribute__((always_inline))
+
 // max |r[k]|: the bit patterns of non-negative floats order like the values, and NaN's
 // sort above +inf, so an integer max (which vectorizes) is exact and propagates NaN.
-float row_absmax(const float* r, int64_t k_len) {
+QUASAR_INLINE float row_absmax(const float* r, int64_t k_len) {
   uint32_t m = 0;
   for (int64_t k = 0; k < k_len; ++k) {
     uint32_t b = float_bits(r[k]) & 0x7fffffffu;
@@ -75,7 +87,7 @@ float row_absmax(const float* r, int64_t k_len) {
 // Round half to even for |v| < 2**22 in the default rounding mode (|x / s_x| <= 127 here):
 // adding 1.5 * 2**23 leaves no fraction bits. Same result as std::nearbyint / torch.round,
 // but it vectorizes on any SSE2 / NEON target.
-inline int32_t round_to_int(float v) {
+QUASAR_INLINE int32_t round_to_int(float v) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2**23
   float r = (v + kMagic) - kMagic;
   return r == r ? static_cast<int32_t>(r) : 0;  // NaN (inf / inf, NaN input) -> 0
@@ -84,7 +96,7 @@ inline int32_t round_to_int(float v) {
 // A row's activation scale, as quantize_activation computes it for |q| <= limit (127, or
 // 16383 for 15 bits): amax.clamp_min_(limit * 1e-12).div_(limit), the double scalars cast
 // to float; NaN propagates.
-inline float row_scale(const float* r, int64_t k_len, double limit) {
+QUASAR_INLINE float row_scale(const float* r, int64_t k_len, double limit) {
   const float min_amax = static_cast<float>(limit * 1e-12);
   const float amax = row_absmax(r, k_len);
   return (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / static_cast<float>(limit);
@@ -92,7 +104,7 @@ inline float row_scale(const float* r, int64_t k_len, double limit) {
 
 // Rows of ldq >= k_len outputs; the ones past k_len are set to the offset (q = 0).
 template <typename Q, int32_t kOffset>
-void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx, int64_t ldq) {
+QUASAR_INLINE void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx, int64_t ldq) {
   for (int64_t m = 0; m < m_len; ++m) {
     const float* r = x + m * k_len;
     const float s = row_scale(r, k_len, 127.0);
@@ -106,7 +118,7 @@ void quantize_rows(const float* x, int64_t m_len, int64_t k_len, Q* q, float* sx
 // y = ((float(acc - comp) * ws) * sx) + bias, one row at a time, each operation rounded
 // separately (no contraction), exactly as scale_output's torch.mul / mul_ / add_.
 template <typename Acc, bool kComp, bool kBias>
-void epilogue_rows(const Acc* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
+QUASAR_INLINE void epilogue_rows(const Acc* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
                    const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y,
                    int64_t y_stride) {
   for (int64_t m = 0; m < m_len; ++m) {
@@ -124,7 +136,7 @@ void epilogue_rows(const Acc* acc, int64_t acc_stride, const int32_t* comp, cons
 
 // Acc: int32, or int64 for the combined halves of 15-bit activations (then no comp).
 template <typename Acc>
-void epilogue(const Acc* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
+QUASAR_INLINE void epilogue(const Acc* acc, int64_t acc_stride, const int32_t* comp, const float* ws,
               const float* sx, const float* bias, int64_t m_len, int64_t n_len, float* y,
               int64_t y_stride) {
   if (comp && bias)
@@ -137,13 +149,32 @@ void epilogue(const Acc* acc, int64_t acc_stride, const int32_t* comp, const flo
     epilogue_rows<Acc, false, false>(acc, acc_stride, comp, ws, sx, bias, m_len, n_len, y, y_stride);
 }
 
+// 15-bit activations split as 128 * hi + lo (quantize_rows_split_u8 in int8_gemm.h).
+QUASAR_INLINE void quantize_split(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
+  const int64_t ldq = quasar::padded_k(k_len);
+  for (int64_t m = 0; m < m_len; ++m) {
+    const float* r = x + m * k_len;
+    const float s = row_scale(r, k_len, 16383.0);
+    sx[m] = s;
+    for (int64_t k = 0; k < k_len; ++k) {
+      const int32_t q = round_to_int(r[k] / s);  // |q| <= 16383
+      hi[m * ldq + k] = static_cast<uint8_t>((q >> 7) + 128);  // floor(q / 128)
+      lo[m * ldq + k] = static_cast<uint8_t>((q & 127) + 128);
+    }
+    for (int64_t k = k_len; k < ldq; ++k) hi[m * ldq + k] = lo[m * ldq + k] = 128;
+  }
+}
+
 // ---------------------------------------------------------------- small-M VNNI GEMM
 constexpr int64_t kSmallMaxRows = 16;  // rows int8_linear sends to small_m_gemm by default
 // Rows small_m_gemm takes: every row passes over a weight tile while it is in L2, so many
-// rows (a prefill chunk) read the weights from memory once, not once per 16 rows.
+// rows (a prefill chunk) read the weights from memory once, not once per 16 rows. With AMX
+// int8_linear sends it all of these by default (2.5-4x faster than oneDNN from 17 to 128
+// rows: a 49152 x 576 lm_head at 24 rows 0.95 vs 2.5 ms).
 constexpr int64_t kTiledMaxRows = 128;
-// Largest M sent to small_m_gemm (0 disables it); settable for benchmarks and tests.
-std::atomic<int64_t> g_small_m_max{kSmallMaxRows};
+// Largest M sent to small_m_gemm (0 disables it; -1: the default, see small_m_limit);
+// settable for benchmarks and tests.
+std::atomic<int64_t> g_small_m_max{-1};
 
 bool vnni_supported() {
 #ifdef QUASAR_VNNI_KERNEL
@@ -156,6 +187,37 @@ bool vnni_supported() {
 #endif
 }
 
+// AMX (Sapphire Rapids and later): the same u8 x s8 -> int32 sums from tile matrix
+// multiplies, 16 rows x 16 outputs x 64 weights in one tdpbusd, at about 1,000 products a
+// cycle per core against VNNI's ~100, so a step's extra rows (drafts, batched sequences,
+// prefill chunks) cost little more than its first. Used for M >= g_amx_min_rows.
+constexpr int64_t kAmxMinRows = 2;
+std::atomic<int64_t> g_amx_min_rows{kAmxMinRows};
+
+bool amx_supported() {
+#ifdef QUASAR_AMX_KERNEL
+  // The CPU has the instructions, and Linux lets this process use the tile data state
+  // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process; Linux >= 5.16).
+  static const bool ok = [] {
+    if (!vnni_supported() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8"))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// The largest M int8_linear sends to the small-M kernel: as set, or by default all it takes
+// when AMX computes them, else kSmallMaxRows (oneDNN is faster for more rows on VNNI alone).
+int64_t small_m_limit() {
+  const int64_t v = g_small_m_max.load(std::memory_order_relaxed);
+  if (v >= 0) return v;
+  return amx_supported() && g_amx_min_rows.load(std::memory_order_relaxed) > 0 ? kTiledMaxRows : kSmallMaxRows;
+}
+
 #ifdef QUASAR_VNNI_KERNEL
 inline int32_t load_u32(const uint8_t* p) {
   int32_t v;
@@ -165,7 +227,7 @@ inline int32_t load_u32(const uint8_t* p) {
 
 // acc[r * kTile + 16 v + i] = sum_k x[r * ldx + k] * w[16 v + i][k] for r < R and the NV
 // vectors of one tile (quasar::kTile rows; see pack_tiles), wrapping int32; x's rows are K4
-// bytes (K rounded up to 4; the weights are zero there, so the padding bytes can be
+// bytes (padded_k(K); the weights are zero there, so the padding bytes can be
 // anything). Each group of 4 columns is NV 64-byte loads in a row, one broadcast of 4
 // activation bytes per row and R * NV vpdpbusd; the R * NV accumulators stay in registers
 // (R * NV <= 24, plus NV weights and a broadcast: at most 29 of the 32 zmm registers) and
@@ -219,6 +281,144 @@ void tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t 
 }
 #endif
 
+#ifdef QUASAR_VNNI_KERNEL
+// The quantizers and the per-chunk epilogue compiled for AVX512 (see QUASAR_INLINE).
+QUASAR_VNNI_WIDE void quantize_u8_avx512(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx) {
+  quantize_rows<uint8_t, 128>(x, m_len, k_len, q, sx, quasar::padded_k(k_len));
+}
+
+QUASAR_VNNI_WIDE void quantize_split_avx512(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo,
+                                            float* sx) {
+  quantize_split(x, m_len, k_len, hi, lo, sx);
+}
+
+// One chunk's outputs from its raw sums acc [M, kTile] (and acc_lo for 15-bit activations,
+// combined as 128 * hi + lo in int64 into wide): comp taken off, then the epilogue, into
+// columns [g.y_col + n0, + n_len) of y.
+template <bool kSplit>
+QUASAR_VNNI_WIDE void finish_chunk(int32_t* acc, int32_t* acc_lo, int64_t* wide, int64_t M, int64_t n_len,
+                                   const quasar::Int8Segment& g, int64_t n0, const float* sx, float* y,
+                                   int64_t y_stride) {
+  constexpr int64_t kChunk = quasar::kTile;
+  const auto take_comp = [&](int32_t* a) {  // modular: exact once comp is taken off
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < n_len; ++j)
+        a[m * kChunk + j] = static_cast<int32_t>(static_cast<uint32_t>(a[m * kChunk + j]) -
+                                                 static_cast<uint32_t>(g.comp[n0 + j]));
+  };
+  take_comp(acc);
+  const float* bias = g.bias ? g.bias + n0 : nullptr;
+  if constexpr (kSplit) {  // 128 * hi + lo in int64, then the same epilogue as scale_output's
+    take_comp(acc_lo);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < n_len; ++j)
+        wide[m * kChunk + j] = int64_t{acc[m * kChunk + j]} * 128 + acc_lo[m * kChunk + j];
+    epilogue(wide, kChunk, nullptr, g.ws + n0, sx, bias, M, n_len, y + g.y_col + n0, y_stride);
+  } else {
+    epilogue(acc, kChunk, nullptr, g.ws + n0, sx, bias, M, n_len, y + g.y_col + n0, y_stride);
+  }
+}
+#endif
+
+#ifdef QUASAR_AMX_KERNEL
+// The tile configuration (palette 1): tiles 0..3 accumulate int32 [rows, 16] (one per
+// vector of 16 weight rows), tiles 4 and 5 hold the activations [rows, 64 bytes] of
+// alternate column blocks, tiles 6 and 7 the weights in turn. A tile is only reloaded after
+// the multiply that reads it has finished, so alternating two of each keeps the loads of
+// the next multiply off the critical path (one activation tile made every block wait for
+// the previous block's last multiply: 1.6x slower).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+QUASAR_AMX void amx_configure(int64_t rows) {
+  TileConfig cfg;
+  for (int i = 0; i < 6; ++i) cfg.rows[i] = static_cast<uint8_t>(rows), cfg.colsb[i] = 64;
+  for (int i = 6; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  // The compiler must not drop the stores above: ldtilecfg reads them behind its back.
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kAhead = 2;  // column blocks a pass prefetches ahead
+
+// One block of 64 columns: activations into tile A (4 or 5: the intrinsics take register
+// numbers as literals, hence a macro), then each vector's weights alternately into tiles 6
+// and 7 and tdpbusd into accumulator v. Weights kAhead blocks on are prefetched meanwhile
+// (a tile is one stream of blocks of 16 * NV * 64 bytes; past its end lies the next tile,
+// which this thread most likely does next).
+#define QUASAR_AMX_BLOCK(A, xb, w)                                                                      \
+  do {                                                                                                  \
+    const int8_t* next_ = (w) + kAhead * kBlock;                                                        \
+    _Pragma("GCC unroll 64") for (int i_ = 0; i_ < 16 * NV; ++i_)                                       \
+        _mm_prefetch(reinterpret_cast<const char*>(next_ + i_ * 64), _MM_HINT_T0);                      \
+    _tile_loadd(A, (xb), ldx);                                                                          \
+    _tile_loadd(6, (w), kStride);                                                                       \
+    _tile_dpbusd(0, A, 6);                                                                              \
+    if constexpr (NV > 1) {                                                                             \
+      _tile_loadd(7, (w) + 64, kStride);                                                                \
+      _tile_dpbusd(1, A, 7);                                                                            \
+    }                                                                                                   \
+    if constexpr (NV > 2) {                                                                             \
+      _tile_loadd(6, (w) + 128, kStride);                                                               \
+      _tile_dpbusd(2, A, 6);                                                                            \
+    }                                                                                                   \
+    if constexpr (NV > 3) {                                                                             \
+      _tile_loadd(7, (w) + 192, kStride);                                                               \
+      _tile_dpbusd(3, A, 7);                                                                            \
+    }                                                                                                   \
+  } while (0)
+
+// tile_pass's sums with AMX for up to 16 rows (the configured row count): the tile's NV
+// vectors of 16 weight rows against the activations, 64 columns (16 groups of 4) per
+// tdpbusd. In pack_tiles' layout the 16 groups of vector v from group 16 b on are 16
+// stripes of 64 bytes, nv * 64 bytes apart: exactly a weight tile of tdpbusd (row r = the
+// 4 bytes of column 4 r..4 r + 3 for each of 16 outputs). K4 is a multiple of 64 (padded_k),
+// the padding zero.
+template <int NV>
+QUASAR_AMX void amx_pass(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t* t, int32_t* acc) {
+  constexpr int64_t kStride = NV * 64;  // bytes from one group of 4 columns to the next
+  constexpr int64_t kBlock = 16 * kStride;  // weight bytes of one block of 64 columns
+  _tile_zero(0);
+  if constexpr (NV > 1) _tile_zero(1);
+  if constexpr (NV > 2) _tile_zero(2);
+  if constexpr (NV > 3) _tile_zero(3);
+  const int64_t blocks = k4 / 64;
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    QUASAR_AMX_BLOCK(4, x + b * 64, t + b * kBlock);
+    QUASAR_AMX_BLOCK(5, x + (b + 1) * 64, t + (b + 1) * kBlock);
+  }
+  if (b < blocks) QUASAR_AMX_BLOCK(4, x + b * 64, t + b * kBlock);
+  constexpr int64_t kAccStride = quasar::kTile * sizeof(int32_t);
+  _tile_stored(0, acc, kAccStride);
+  if constexpr (NV > 1) _tile_stored(1, acc + 16, kAccStride);
+  if constexpr (NV > 2) _tile_stored(2, acc + 32, kAccStride);
+  if constexpr (NV > 3) _tile_stored(3, acc + 48, kAccStride);
+}
+
+// tile_rows with AMX: blocks of 16 rows (the last may be fewer). `configured` is the row
+// count the calling thread's tiles are set up for (0: not yet); it is updated here.
+QUASAR_AMX void amx_tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t nv, int32_t* acc,
+                              int64_t& configured) {
+  const int64_t k4 = quasar::padded_k(K);
+  using AmxFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*);
+  static constexpr AmxFn kByNv[4] = {amx_pass<1>, amx_pass<2>, amx_pass<3>, amx_pass<4>};
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - r0);
+    if (rows != configured) {
+      amx_configure(rows);
+      configured = rows;
+    }
+    kByNv[nv - 1](x + r0 * k4, k4, k4, t, acc + r0 * quasar::kTile);
+  }
+}
+
+QUASAR_AMX void amx_release() { _tile_release(); }
+#endif
+
 }  // namespace
 
 namespace quasar {
@@ -226,6 +426,9 @@ namespace quasar {
 bool cpu_has_vnni() { return vnni_supported(); }
 
 void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx) {
+#ifdef QUASAR_VNNI_KERNEL
+  if (vnni_supported()) return quantize_u8_avx512(x, m_len, k_len, q, sx);
+#endif
   quantize_rows<uint8_t, 128>(x, m_len, k_len, q, sx, padded_k(k_len));
 }
 
@@ -256,7 +459,18 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
   const int64_t k4 = quasar::padded_k(K);  // bytes of a packed weight row and of an x row
   // A task reads at least ~64 KiB of weights: less does not pay for waking a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
+  const int64_t amx_min = g_amx_min_rows.load(std::memory_order_relaxed);
+  const bool amx = amx_min > 0 && M >= amx_min && amx_supported();
   at::parallel_for(0, first[n_segs], grain, [&](int64_t c0, int64_t c1) {
+    // The tile configuration is per thread, and other code (oneDNN) may change it between
+    // calls: set it in every task, release the tiles at its end.
+    int64_t configured = 0;
+    const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t nv, int32_t* a) {
+#ifdef QUASAR_AMX_KERNEL
+      if (amx) return amx_tile_rows(xr, M, K, tile, nv, a, configured);
+#endif
+      tile_rows(xr, M, K, tile, nv, a);
+    };
     std::vector<int32_t> acc_buf(M * kChunk), acc_lo_buf(kSplit ? M * kChunk : 0);
     std::vector<int64_t> wide_buf(kSplit ? M * kChunk : 0);
     int32_t *acc = acc_buf.data(), *acc_lo = acc_lo_buf.data();
@@ -268,27 +482,13 @@ void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, c
       const int64_t n0 = (c - first[s]) * kChunk, n_len = std::min(g.n - n0, kChunk);
       const int8_t* tile = g.tiles + n0 * k4;
       const int64_t nv = (n_len + 15) / 16;
-      tile_rows(xu, M, K, tile, nv, acc);
-      if (kSplit) tile_rows(xlo, M, K, tile, nv, acc_lo);
-      const auto take_comp = [&](int32_t* a) {  // modular: exact once comp is taken off
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t j = 0; j < n_len; ++j)
-            a[m * kChunk + j] = static_cast<int32_t>(static_cast<uint32_t>(a[m * kChunk + j]) -
-                                                     static_cast<uint32_t>(g.comp[n0 + j]));
-      };
-      take_comp(acc);
-      if (kSplit) {  // 128 * hi + lo in int64, then the same epilogue as scale_output's
-        take_comp(acc_lo);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t j = 0; j < n_len; ++j)
-            wide[m * kChunk + j] = int64_t{acc[m * kChunk + j]} * 128 + acc_lo[m * kChunk + j];
-        epilogue(wide, kChunk, nullptr, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len,
-                 y + g.y_col + n0, y_stride);
-        continue;
-      }
-      epilogue(acc, kChunk, nullptr, g.ws + n0, sx, g.bias ? g.bias + n0 : nullptr, M, n_len,
-               y + g.y_col + n0, y_stride);
+      sums(xu, tile, nv, acc);
+      if (kSplit) sums(xlo, tile, nv, acc_lo);
+      finish_chunk<kSplit>(acc, acc_lo, wide, M, n_len, g, n0, sx, y, y_stride);
     }
+#ifdef QUASAR_AMX_KERNEL
+    if (configured) amx_release();
+#endif
   });
 #else
   TORCH_CHECK(false, "int8_linear: small-M kernel not compiled in");
@@ -328,18 +528,10 @@ void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64
 }
 
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
-  const int64_t ldq = padded_k(k_len);
-  for (int64_t m = 0; m < m_len; ++m) {
-    const float* r = x + m * k_len;
-    const float s = row_scale(r, k_len, 16383.0);
-    sx[m] = s;
-    for (int64_t k = 0; k < k_len; ++k) {
-      const int32_t q = round_to_int(r[k] / s);  // |q| <= 16383
-      hi[m * ldq + k] = static_cast<uint8_t>((q >> 7) + 128);  // floor(q / 128)
-      lo[m * ldq + k] = static_cast<uint8_t>((q & 127) + 128);
-    }
-    for (int64_t k = k_len; k < ldq; ++k) hi[m * ldq + k] = lo[m * ldq + k] = 128;
-  }
+#ifdef QUASAR_VNNI_KERNEL
+  if (vnni_supported()) return quantize_split_avx512(x, m_len, k_len, hi, lo, sx);
+#endif
+  quantize_split(x, m_len, k_len, hi, lo, sx);
 }
 
 }  // namespace quasar
@@ -403,7 +595,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
     }
     std::vector<float> sx(M);
     // Small M on an AVX512-VNNI CPU: the hand-written kernel (same int32s, same epilogue).
-    const bool small_m = M <= g_small_m_max.load(std::memory_order_relaxed) && vnni_supported() &&
+    const bool small_m = M <= small_m_limit() && vnni_supported() &&
                          comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
                          comp->numel() == N && tiles.has_value() && tiles->defined();
     at::Tensor c;
@@ -464,12 +656,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
   return finish();
 }
 
-// The largest M that takes the small-M kernel (default 16, at most kTiledMaxRows; 0 disables
-// it); max_m < 0 only reads. Returns the previous value.
+// The largest M that takes the small-M kernel (default 16, or kTiledMaxRows with AMX; at most
+// kTiledMaxRows; 0 disables it); max_m < 0 only reads. Returns the previous value.
 int64_t int8_small_m_max(int64_t max_m) {
-  if (max_m < 0) return g_small_m_max.load();
-  return g_small_m_max.exchange(std::min(max_m, kTiledMaxRows));
+  const int64_t before = small_m_limit();
+  if (max_m >= 0) g_small_m_max.store(std::min(max_m, kTiledMaxRows));
+  return before;
 }
+
+// The smallest M the small-M kernel computes with AMX on a CPU that has it (default
+// kAmxMinRows; 0: never); min_rows < 0 only reads. Returns the previous value.
+int64_t int8_amx_min_rows(int64_t min_rows) {
+  if (min_rows < 0) return g_amx_min_rows.load();
+  return g_amx_min_rows.exchange(min_rows);
+}
+
+// Whether this CPU runs the small-M kernel's AMX path (AMX-INT8, and Linux allows it).
+bool int8_amx_supported() { return amx_supported(); }
 
 // The weight [N, K] int8 in the small-M kernel's tile layout (quasar::pack_tiles).
 at::Tensor int8_pack_tiles(const at::Tensor& weight) {
@@ -521,5 +724,7 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.def("release_pages(Tensor t) -> bool", &release_pages);
   m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
   m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
+  m.def("int8_amx_min_rows(int min_rows=-1) -> int", &int8_amx_min_rows);
+  m.def("int8_amx_supported() -> bool", &int8_amx_supported);
   m.def("parallel_threads() -> int", &parallel_threads);
 }
