@@ -34,8 +34,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -548,24 +552,6 @@ quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& tiles, const 
           b, col};
 }
 
-// y [rows, y_stride] columns of `segs` = W8A8(x [rows, K]), or W8A15 (15-bit activations
-// split in two int8 halves) when act_bits is 15; rows <= kMaxRows, all in one small-M call
-// (int8_gemm.h), so a prefill chunk reads each weight tile from memory once and multiplies
-// all its rows by it from L2. Each row is quantized and multiplied on its own.
-void int8_rows(const float* x, int64_t rows, int64_t k, const quasar::Int8Segment* segs, int64_t n_segs,
-               float* y, int64_t y_stride, int64_t act_bits) {
-  std::vector<float> sx(rows);
-  if (act_bits == 15) {
-    std::vector<uint8_t> hi(rows * quasar::padded_k(k)), lo(rows * quasar::padded_k(k));
-    quasar::quantize_rows_split_u8(x, rows, k, hi.data(), lo.data(), sx.data());
-    quasar::small_m_gemm_split(hi.data(), lo.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
-    return;
-  }
-  std::vector<uint8_t> q(rows * quasar::padded_k(k));
-  quasar::quantize_rows_u8(x, rows, k, q.data(), sx.data());
-  quasar::small_m_gemm(q.data(), rows, k, segs, n_segs, sx.data(), y, y_stride);
-}
-
 // The linears of one layer as GEMM segments, checked against the head layout.
 struct LayerGemms {
   quasar::Int8Segment qkv[3], o, gate_up[2], down;
@@ -713,61 +699,119 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
         items.push_back({first, slots[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts});
   }
 
-  std::vector<LayerGemms> gemms;
+  // Per layer: its norm weights and its four GEMMs (q, k, v together; gate and up together),
+  // all checked here, before the parallel region (nothing in it may throw).
+  struct LayerPlan {
+    const float *w_in, *w_post, *w_qn, *w_kn;
+    int64_t inter, bits_qkv, bits_o, bits_gate_up, bits_down;
+  };
+  std::vector<LayerPlan> plan;
+  std::vector<LayerGemms> segs;
   int64_t inter_max = 0;
   for (int64_t l = 0; l < L; ++l) {
-    gemms.push_back(layer_gemms(weights, tiles, scales, biases, comps, act_bits, 7 * l, H, nq, nkv));
-    inter_max = std::max(inter_max, gemms.back().inter);
+    segs.push_back(layer_gemms(weights, tiles, scales, biases, comps, act_bits, 7 * l, H, nq, nkv));
+    const LayerGemms& g = segs.back();
+    inter_max = std::max(inter_max, g.inter);
+    const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
+    TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
+                "w8a8_decoder_layers: missing layer norm");
+    plan.push_back({float_data(*norms.get(4 * l), H, "input_layernorm"),
+                    float_data(*norms.get(4 * l + 1), H, "post_attention_layernorm"),
+                    qn.has_value() && qn->defined() ? float_data(*qn, D, "q_norm") : nullptr,
+                    kn.has_value() && kn->defined() ? float_data(*kn, D, "k_norm") : nullptr, g.inter, g.bits_qkv,
+                    g.bits_o, g.bits_gate_up, g.bits_down});
   }
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
   float* xs = out.data_ptr<float>();
   std::vector<float> h(T * H), proj(T * std::max(nqkv, H)), attn(T * nq), gu(T * 2 * inter_max),
-      act(T * inter_max);
-
+      act(T * inter_max), sx(T);
+  // Quantized activations of the GEMM at hand (15 bits: hi in q, lo in q_lo), rows of
+  // padded_k(K) bytes; phases are separated by barriers, so one buffer serves every GEMM.
+  const int64_t k4_max = quasar::padded_k(std::max({H, nq, inter_max}));
+  std::vector<uint8_t> q(T * k4_max), q_lo(T * k4_max);
+  std::vector<quasar::SmallMGemm> gemms;  // 4 per layer: qkv, o, gate_up, down
   for (int64_t l = 0; l < L; ++l) {
-    const LayerGemms& g = gemms[l];
-    const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
-    TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
-                "w8a8_decoder_layers: missing layer norm");
-    const float* w_in = float_data(*norms.get(4 * l), H, "input_layernorm");
-    const float* w_post = float_data(*norms.get(4 * l + 1), H, "post_attention_layernorm");
-    const float* w_qn = qn.has_value() && qn->defined() ? float_data(*qn, D, "q_norm") : nullptr;
-    const float* w_kn = kn.has_value() && kn->defined() ? float_data(*kn, D, "k_norm") : nullptr;
+    const LayerGemms& g = segs[l];
+    const auto gemm = [&](int64_t k, const quasar::Int8Segment* sg, int64_t n_sg, float* y, int64_t ys, int64_t bits) {
+      gemms.emplace_back(q.data(), bits == 15 ? q_lo.data() : nullptr, T, k, sg, n_sg, sx.data(), y, ys);
+    };
+    gemm(H, g.qkv, 3, proj.data(), nqkv, g.bits_qkv);
+    gemm(nq, &g.o, 1, proj.data(), H, g.bits_o);
+    gemm(H, g.gate_up, 2, gu.data(), 2 * g.inter, g.bits_gate_up);
+    gemm(g.inter, &g.down, 1, proj.data(), H, g.bits_down);
+  }
+  // Attention items are taken dynamically (their cost varies with each slot's length): one
+  // counter per layer, so no reset is needed between layers.
+  std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[L]);
+  for (int64_t l = 0; l < L; ++l) next_item[l] = 0;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  float* const k_f32 = bf16 ? nullptr : k_cache.data_ptr<float>();
+  float* const v_f32 = bf16 ? nullptr : v_cache.data_ptr<float>();
+  uint16_t* const k_b16 = bf16 ? reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* const v_b16 = bf16 ? reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()) : nullptr;
 
-    // attention block
-    rms_norm(xs, T, H, w_in, feps, h.data());
-    int8_rows(h.data(), T, H, g.qkv, 3, proj.data(), nqkv, g.bits_qkv);
-    // this layer's cache (float32 or bf16); slot s's kv head h at ((s * KVH + h) * S) * D
-    const int64_t layer_at = l * n_slots * n_kv_heads * S * D;
-    float* kc = bf16 ? nullptr : k_cache.data_ptr<float>() + layer_at;
-    float* vc = bf16 ? nullptr : v_cache.data_ptr<float>() + layer_at;
-    uint16_t* kcb = bf16 ? reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()) + layer_at : nullptr;
-    uint16_t* vcb = bf16 ? reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()) + layer_at : nullptr;
-    for (int64_t t = 0; t < T; ++t) {
-      float* row = proj.data() + t * nqkv;
-      if (w_qn) rms_norm(row, n_heads, D, w_qn, feps, row);
-      if (w_kn) rms_norm(row + nq, n_kv_heads, D, w_kn, feps, row + nq);
-      for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
-      for (int64_t kv = 0; kv < n_kv_heads; ++kv) {
-        const int64_t at_row = ((slots[t] * n_kv_heads + kv) * S + cache_row[t]) * D;
-        if (bf16) {
-          to_bf16(row + nq + kv * D, D, kcb + at_row);
-          to_bf16(row + nq + nkv + kv * D, D, vcb + at_row);
-        } else {
-          std::copy_n(row + nq + kv * D, D, kc + at_row);
-          std::copy_n(row + nq + nkv + kv * D, D, vc + at_row);
+  // The whole step is one parallel region: each layer is a sequence of phases separated by
+  // barriers, so the glue between GEMMs (norms, quantization, RoPE, SiLU, residuals) is
+  // spread over the threads by rows instead of running on one while the others wait, and
+  // the ~150 fork/joins of a region per GEMM and attention call are gone. Row phases give
+  // each thread the same rows throughout (so a row's residual add and the next norm need no
+  // barrier); GEMM phases split the output chunks; every row and every output column is
+  // computed alone, so how the work is split never changes a bit.
+  const int n_threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(n_threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t r0 = T * tid / nt, r1 = T * (tid + 1) / nt, nr = r1 - r0;  // this thread's rows
+    const auto quantize = [&](const float* src, int64_t k, int64_t bits) {  // rows [r0, r1) of src [T, k]
+      if (nr == 0) return;
+      const int64_t k4 = quasar::padded_k(k);
+      if (bits == 15)
+        quasar::quantize_rows_split_u8(src + r0 * k, nr, k, q.data() + r0 * k4, q_lo.data() + r0 * k4, sx.data() + r0);
+      else
+        quasar::quantize_rows_u8(src + r0 * k, nr, k, q.data() + r0 * k4, sx.data() + r0);
+    };
+    const auto run_gemm = [&](const quasar::SmallMGemm& g) {
+      const int64_t c = g.chunks();
+      g.run(c * tid / nt, c * (tid + 1) / nt);
+    };
+    std::vector<float> scores(kMaxGroupQueries * stride), acc(kMaxGroupQueries * 2 * D);
+    std::vector<uint16_t> probs(bf16 ? kMaxGroupQueries * stride : 0);
+
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerPlan& p = plan[l];
+      const quasar::SmallMGemm* lg = gemms.data() + 4 * l;
+      // attention block: norm and quantize this thread's rows, then q, k, v
+      if (nr) rms_norm(xs + r0 * H, nr, H, p.w_in, feps, h.data() + r0 * H);
+      quantize(h.data(), H, p.bits_qkv);
+#pragma omp barrier
+      run_gemm(lg[0]);
+#pragma omp barrier
+      // qk-norm, RoPE and the K/V of this thread's rows into this layer's cache (float32 or
+      // bf16; slot s's kv head h at ((s * KVH + h) * S) * D)
+      const int64_t layer_at = l * n_slots * n_kv_heads * S * D;
+      for (int64_t t = r0; t < r1; ++t) {
+        float* row = proj.data() + t * nqkv;
+        if (p.w_qn) rms_norm(row, n_heads, D, p.w_qn, feps, row);
+        if (p.w_kn) rms_norm(row + nq, n_kv_heads, D, p.w_kn, feps, row + nq);
+        for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
+        for (int64_t kv = 0; kv < n_kv_heads; ++kv) {
+          const int64_t at_row = layer_at + ((slots[t] * n_kv_heads + kv) * S + cache_row[t]) * D;
+          if (bf16) {
+            to_bf16(row + nq + kv * D, D, k_b16 + at_row);
+            to_bf16(row + nq + nkv + kv * D, D, v_b16 + at_row);
+          } else {
+            std::copy_n(row + nq + kv * D, D, k_f32 + at_row);
+            std::copy_n(row + nq + nkv + kv * D, D, v_f32 + at_row);
+          }
         }
       }
-    }
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores(kMaxGroupQueries * stride), acc(kMaxGroupQueries * 2 * D);
-      std::vector<uint16_t> probs(bf16 ? kMaxGroupQueries * stride : 0);
-      const float* qp[kMaxGroupQueries];
-      float* op[kMaxGroupQueries];
-      int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
-      const int64_t* tl[kMaxGroupQueries];
-      for (int64_t i = i0; i < i1; ++i) {
+#pragma omp barrier
+      for (int64_t i = next_item[l]++; i < n_items; i = next_item[l]++) {
         const Item& it = items[i];
+        const float* qp[kMaxGroupQueries];
+        float* op[kMaxGroupQueries];
+        int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
+        const int64_t* tl[kMaxGroupQueries];
         for (int64_t qi = it.q0; qi < it.q1; ++qi) {
           const int64_t t = it.first + qi / group, hd = it.kv * group + qi % group;
           qp[qi - it.q0] = proj.data() + t * nqkv + hd * D;
@@ -776,24 +820,35 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
           sp[qi - it.q0] = split[t];
           tl[qi - it.q0] = tails[t];
         }
-        const int64_t head = (it.slot * n_kv_heads + it.kv) * S * D;
+        const int64_t head = layer_at + (it.slot * n_kv_heads + it.kv) * S * D;
         if (bf16)
-          attend_bf16(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, kcb + head, vcb + head, scale, scores.data(),
+          attend_bf16(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_b16 + head, v_b16 + head, scale, scores.data(),
                       probs.data(), stride, acc.data());
         else
-          attend(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, kc + head, vc + head, scale, scores.data(), stride,
-                 acc.data());
+          attend(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_f32 + head, v_f32 + head, scale, scores.data(),
+                 stride, acc.data());
       }
-    });
-    int8_rows(attn.data(), T, nq, &g.o, 1, proj.data(), H, g.bits_o);
-    add_into(xs, proj.data(), T * H);
-
-    // MLP block
-    rms_norm(xs, T, H, w_post, feps, h.data());
-    int8_rows(h.data(), T, H, g.gate_up, 2, gu.data(), 2 * g.inter, g.bits_gate_up);
-    silu_mul(gu.data(), T, g.inter, act.data());
-    int8_rows(act.data(), T, g.inter, &g.down, 1, proj.data(), H, g.bits_down);
-    add_into(xs, proj.data(), T * H);
+#pragma omp barrier
+      quantize(attn.data(), nq, p.bits_o);
+#pragma omp barrier
+      run_gemm(lg[1]);
+#pragma omp barrier
+      // MLP block: residual, norm and quantize this thread's rows, then gate and up
+      if (nr) {
+        add_into(xs + r0 * H, proj.data() + r0 * H, nr * H);
+        rms_norm(xs + r0 * H, nr, H, p.w_post, feps, h.data() + r0 * H);
+      }
+      quantize(h.data(), H, p.bits_gate_up);
+#pragma omp barrier
+      run_gemm(lg[2]);
+#pragma omp barrier
+      if (nr) silu_mul(gu.data() + r0 * 2 * p.inter, nr, p.inter, act.data() + r0 * p.inter);
+      quantize(act.data(), p.inter, p.bits_down);
+#pragma omp barrier
+      run_gemm(lg[3]);
+#pragma omp barrier
+      if (nr) add_into(xs + r0 * H, proj.data() + r0 * H, nr * H);  // the next layer reads the same rows
+    }
   }
   return out;
 #else

@@ -321,22 +321,23 @@ QUASAR_VNNI_WIDE void finish_chunk(int32_t* acc, int32_t* acc_lo, int64_t* wide,
 #endif
 
 #ifdef QUASAR_AMX_KERNEL
-// The tile configuration (palette 1): tiles 0..3 accumulate int32 [rows, 16] (one per
-// vector of 16 weight rows), tiles 4 and 5 hold the activations [rows, 64 bytes] of
-// alternate column blocks, tiles 6 and 7 the weights in turn. A tile is only reloaded after
-// the multiply that reads it has finished, so alternating two of each keeps the loads of
-// the next multiply off the critical path (one activation tile made every block wait for
-// the previous block's last multiply: 1.6x slower).
+// The tile configuration (palette 1), for one block of rows A (up to 16) or two, A and B:
+// tiles 0 and 1 accumulate int32 [rows A, 16], tiles 2 and 3 [rows B, 16]; tile 4 holds
+// activations [rows A, 64 bytes], tile 5 [rows B, 64 bytes]; tiles 6 and 7 weights
+// [16 groups of 4 columns, 16 outputs]. One block of rows uses tiles 0..3 for its four
+// vectors of outputs (rows B = rows A) and 4 and 5 for alternate column blocks.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
 
-QUASAR_AMX void amx_configure(int64_t rows) {
+QUASAR_AMX void amx_configure(int64_t rows_a, int64_t rows_b) {
   TileConfig cfg;
-  for (int i = 0; i < 6; ++i) cfg.rows[i] = static_cast<uint8_t>(rows), cfg.colsb[i] = 64;
-  for (int i = 6; i < 8; ++i) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  for (int i : {0, 1, 4}) cfg.rows[i] = static_cast<uint8_t>(rows_a);
+  for (int i : {2, 3, 5}) cfg.rows[i] = static_cast<uint8_t>(rows_b);
+  for (int i = 6; i < 8; ++i) cfg.rows[i] = 16;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64;
   // The compiler must not drop the stores above: ldtilecfg reads them behind its back.
   __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
@@ -399,20 +400,70 @@ QUASAR_AMX void amx_pass(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t
   if constexpr (NV > 3) _tile_stored(3, acc + 48, kAccStride);
 }
 
-// tile_rows with AMX: blocks of 16 rows (the last may be fewer). `configured` is the row
-// count the calling thread's tiles are set up for (0: not yet); it is updated here.
+// Two blocks of rows at once (16, then up to 16 more at x + 16 ldx): each weight tile load
+// serves both, so 17..32 rows read the weights from L1/L2 as often as 16 do (a second
+// one-block pass cost almost as much as the first). Vectors go in pairs: tiles 0/1 and 2/3
+// accumulate vectors v, v + 1 of the two blocks.
+template <int NV>
+QUASAR_AMX void amx_pass2(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t* t, int32_t* acc) {
+  constexpr int64_t kStride = NV * 64, kBlock = 16 * kStride;
+  constexpr int64_t kAccStride = quasar::kTile * sizeof(int32_t);
+  const int64_t blocks = k4 / 64;
+  const uint8_t* xb = x + 16 * ldx;
+  int32_t* acc_b = acc + 16 * quasar::kTile;
+  for (int v = 0; v < NV; v += 2) {
+    const bool pair = v + 1 < NV;
+    _tile_zero(0);
+    _tile_zero(2);
+    if (pair) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* w = t + b * kBlock + v * 64;
+      const int8_t* next = w + kAhead * kBlock;
+#pragma GCC unroll 16
+      for (int g = 0; g < 16; ++g) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + g * kStride), _MM_HINT_T0);
+        if (pair) _mm_prefetch(reinterpret_cast<const char*>(next + g * kStride + 64), _MM_HINT_T0);
+      }
+      _tile_loadd(4, x + b * 64, ldx);
+      _tile_loadd(5, xb + b * 64, ldx);
+      _tile_loadd(6, w, kStride);
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(2, 5, 6);
+      if (pair) {
+        _tile_loadd(7, w + 64, kStride);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(3, 5, 7);
+      }
+    }
+    _tile_stored(0, acc + v * 16, kAccStride);
+    _tile_stored(2, acc_b + v * 16, kAccStride);
+    if (pair) {
+      _tile_stored(1, acc + (v + 1) * 16, kAccStride);
+      _tile_stored(3, acc_b + (v + 1) * 16, kAccStride);
+    }
+  }
+}
+
+// tile_rows with AMX: pairs of 16-row blocks (amx_pass2), a last block alone (amx_pass).
+// `configured` is the (rows A, rows B) the calling thread's tiles are set up for, packed as
+// 64 * A + B (0: not yet); it is updated here.
 QUASAR_AMX void amx_tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t nv, int32_t* acc,
                               int64_t& configured) {
   const int64_t k4 = quasar::padded_k(K);
   using AmxFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*);
-  static constexpr AmxFn kByNv[4] = {amx_pass<1>, amx_pass<2>, amx_pass<3>, amx_pass<4>};
-  for (int64_t r0 = 0; r0 < M; r0 += 16) {
-    const int64_t rows = std::min<int64_t>(16, M - r0);
-    if (rows != configured) {
-      amx_configure(rows);
-      configured = rows;
+  static constexpr AmxFn kOne[4] = {amx_pass<1>, amx_pass<2>, amx_pass<3>, amx_pass<4>};
+  static constexpr AmxFn kTwo[4] = {amx_pass2<1>, amx_pass2<2>, amx_pass2<3>, amx_pass2<4>};
+  for (int64_t r0 = 0; r0 < M; r0 += 32) {
+    const int64_t left = M - r0;
+    const int64_t rows_a = std::min<int64_t>(16, left), rows_b = left > 16 ? std::min<int64_t>(16, left - 16) : rows_a;
+    if (64 * rows_a + rows_b != configured) {
+      amx_configure(rows_a, rows_b);
+      configured = 64 * rows_a + rows_b;
     }
-    kByNv[nv - 1](x + r0 * k4, k4, k4, t, acc + r0 * quasar::kTile);
+    (left > 16 ? kTwo : kOne)[nv - 1](x + r0 * k4, k4, k4, t, acc + r0 * quasar::kTile);
   }
 }
 
@@ -436,62 +487,49 @@ void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, 
 
 namespace {
 
-// The small-M GEMM over all segments: output columns cut into chunks spread over the
-// intra-op threads (one parallel region for q, k and v together); each chunk runs its
-// own epilogue (elementwise, so the split never changes a bit). Rows past the first pass's
-// 6 are further passes over the chunk's weights while they are still in L2, not another
-// read from memory: up to kTiledMaxRows rows (the fused decoder op sends a whole prefill
-// chunk) read the weights once. kSplit: the activations are 15-bit, q = 128 * hi + lo,
-// given as two uint8 arrays (hi + 128, lo + 128); both products are exact int32s,
-// combined in int64.
+// The outputs of chunks [c0, c1) of a small-M GEMM (a chunk is one weight tile: 64 output
+// columns of one segment; chunk_first[s] is segment s's first chunk): the tile's sums for
+// all M rows, then comp and the epilogue (elementwise, so how chunks are spread over threads
+// never changes a bit). Rows past the first pass's 6 (VNNI) are further passes over the
+// tile while it is in L2, not another read from memory, so up to kTiledMaxRows rows (a
+// prefill chunk of the fused decoder op) read the weights once; with AMX, 16 rows are one
+// tdpbusd. kSplit: 15-bit activations, q = 128 * hi + lo, given as two uint8 arrays
+// (hi + 128, lo + 128); both products are exact int32s, combined in int64.
 template <bool kSplit>
-void small_m_rows(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, const quasar::Int8Segment* segs,
-                  int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
+void gemm_chunks(const quasar::SmallMGemm& g, const int64_t* chunk_first, bool amx, int64_t c0, int64_t c1) {
 #ifdef QUASAR_VNNI_KERNEL
-  TORCH_CHECK(M >= 1 && M <= kTiledMaxRows, "int8 small-M GEMM called with M = ", M);
-  constexpr int64_t kChunk = quasar::kTile;  // output columns per task: one weight tile
-  int64_t first[8 + 1] = {0};  // chunk index where segment s starts
-  TORCH_CHECK(n_segs >= 1 && n_segs <= 8, "int8 small-M GEMM: 1..8 segments");
-  for (int64_t s = 0; s < n_segs; ++s) {
-    TORCH_CHECK(segs[s].tiles != nullptr, "int8 small-M GEMM: the weight must be packed in tiles");
-    first[s + 1] = first[s] + (segs[s].n + kChunk - 1) / kChunk;
+  constexpr int64_t kChunk = quasar::kTile;
+  const int64_t M = g.M, K = g.K, k4 = quasar::padded_k(K);
+  // Per-thread scratch, kept between calls (a step makes hundreds).
+  thread_local std::vector<int32_t> acc_buf, acc_lo_buf;
+  thread_local std::vector<int64_t> wide_buf;
+  acc_buf.resize(M * kChunk);
+  if (kSplit) acc_lo_buf.resize(M * kChunk), wide_buf.resize(M * kChunk);
+  int32_t *acc = acc_buf.data(), *acc_lo = acc_lo_buf.data();
+  int64_t* wide = wide_buf.data();
+  // The tile configuration is per thread, and other code (oneDNN) may change it between
+  // calls: set it here, release the tiles at the end.
+  int64_t configured = 0;
+  const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t nv, int32_t* a) {
+#ifdef QUASAR_AMX_KERNEL
+    if (amx) return amx_tile_rows(xr, M, K, tile, nv, a, configured);
+#endif
+    tile_rows(xr, M, K, tile, nv, a);
+  };
+  int64_t s = 0;
+  for (int64_t c = c0; c < c1; ++c) {
+    while (c >= chunk_first[s + 1]) ++s;
+    const quasar::Int8Segment& seg = g.segs[s];
+    const int64_t n0 = (c - chunk_first[s]) * kChunk, n_len = std::min(seg.n - n0, kChunk);
+    const int8_t* tile = seg.tiles + n0 * k4;
+    const int64_t nv = (n_len + 15) / 16;
+    sums(g.xu, tile, nv, acc);
+    if (kSplit) sums(g.xlo, tile, nv, acc_lo);
+    finish_chunk<kSplit>(acc, acc_lo, wide, M, n_len, seg, n0, g.sx, g.y, g.y_stride);
   }
-  const int64_t k4 = quasar::padded_k(K);  // bytes of a packed weight row and of an x row
-  // A task reads at least ~64 KiB of weights: less does not pay for waking a thread.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kChunk * K));
-  const int64_t amx_min = g_amx_min_rows.load(std::memory_order_relaxed);
-  const bool amx = amx_min > 0 && M >= amx_min && amx_supported();
-  at::parallel_for(0, first[n_segs], grain, [&](int64_t c0, int64_t c1) {
-    // The tile configuration is per thread, and other code (oneDNN) may change it between
-    // calls: set it in every task, release the tiles at its end.
-    int64_t configured = 0;
-    const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t nv, int32_t* a) {
 #ifdef QUASAR_AMX_KERNEL
-      if (amx) return amx_tile_rows(xr, M, K, tile, nv, a, configured);
+  if (configured) amx_release();
 #endif
-      tile_rows(xr, M, K, tile, nv, a);
-    };
-    std::vector<int32_t> acc_buf(M * kChunk), acc_lo_buf(kSplit ? M * kChunk : 0);
-    std::vector<int64_t> wide_buf(kSplit ? M * kChunk : 0);
-    int32_t *acc = acc_buf.data(), *acc_lo = acc_lo_buf.data();
-    int64_t* wide = wide_buf.data();
-    int64_t s = 0;
-    for (int64_t c = c0; c < c1; ++c) {
-      while (c >= first[s + 1]) ++s;
-      const quasar::Int8Segment& g = segs[s];
-      const int64_t n0 = (c - first[s]) * kChunk, n_len = std::min(g.n - n0, kChunk);
-      const int8_t* tile = g.tiles + n0 * k4;
-      const int64_t nv = (n_len + 15) / 16;
-      sums(xu, tile, nv, acc);
-      if (kSplit) sums(xlo, tile, nv, acc_lo);
-      finish_chunk<kSplit>(acc, acc_lo, wide, M, n_len, g, n0, sx, y, y_stride);
-    }
-#ifdef QUASAR_AMX_KERNEL
-    if (configured) amx_release();
-#endif
-  });
-#else
-  TORCH_CHECK(false, "int8_linear: small-M kernel not compiled in");
 #endif
 }
 
@@ -515,16 +553,43 @@ void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
   });
 }
 
-// y[m * y_stride + seg.y_col + n] = epilogue(xu [M, K] (uint8, q + 128) x w [N, K]^T - comp)
-// for every segment (w packed in seg.tiles), 1 <= M <= 128 (see small_m_rows).
+SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int64_t K_, const Int8Segment* segs_,
+                       int64_t n_segs_, const float* sx_, float* y_, int64_t y_stride_)
+    : xu(xu_), xlo(xlo_), M(M_), K(K_), segs(segs_), n_segs(n_segs_), sx(sx_), y(y_), y_stride(y_stride_) {
+  TORCH_CHECK(vnni_supported(), "int8 small-M GEMM: needs an AVX512-VNNI CPU");
+  TORCH_CHECK(M >= 1 && M <= kTiledMaxRows, "int8 small-M GEMM called with M = ", M);
+  TORCH_CHECK(n_segs >= 1 && n_segs <= kMaxSegments, "int8 small-M GEMM: 1..", kMaxSegments, " segments");
+  chunk_first[0] = 0;
+  for (int64_t s = 0; s < n_segs; ++s) {
+    TORCH_CHECK(segs[s].tiles != nullptr, "int8 small-M GEMM: the weight must be packed in tiles");
+    chunk_first[s + 1] = chunk_first[s] + (segs[s].n + kTile - 1) / kTile;
+  }
+  const int64_t amx_min = g_amx_min_rows.load(std::memory_order_relaxed);
+  amx = amx_min > 0 && M >= amx_min && amx_supported();
+}
+
+void SmallMGemm::run(int64_t c0, int64_t c1) const {
+  if (xlo)
+    gemm_chunks<true>(*this, chunk_first, amx, c0, c1);
+  else
+    gemm_chunks<false>(*this, chunk_first, amx, c0, c1);
+}
+
+// All chunks over the intra-op threads; a task reads at least ~64 KiB of weights (less does
+// not pay for waking a thread).
+void SmallMGemm::run_parallel() const {
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kTile * K));
+  at::parallel_for(0, chunks(), grain, [&](int64_t c0, int64_t c1) { run(c0, c1); });
+}
+
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride) {
-  small_m_rows<false>(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride);
+  SmallMGemm(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride).run_parallel();
 }
 
 void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs,
                         int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
-  small_m_rows<true>(xhi, xlo, M, K, segs, n_segs, sx, y, y_stride);
+  SmallMGemm(xhi, xlo, M, K, segs, n_segs, sx, y, y_stride).run_parallel();
 }
 
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
