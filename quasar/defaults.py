@@ -18,6 +18,10 @@ DEFAULT_ADAPTIVE = True
 # 1.5B (7: 1.26x): 5 nodes (6 rows with the pending token). At 1.5B, 5 nodes decode 1.06x
 # faster than 6 at the same acceptance length.
 DEFAULT_DRAFT_BUDGET = 5
+# A verifier step's extra time per row, as a fraction of a one-row step (Transformer.row_cost;
+# the fused W8A8 step sets its own): what adaptive chain lengths and tree sizes weigh the
+# expected accepted tokens against.
+DEFAULT_ROW_COST = 0.1
 DEFAULT_RECYCLE_TOP_K = 8
 # Continuous batching (server and LLM.generate_batch): sequences decoded together, and the
 # rows a batched verifier step aims for (greedy drafts are shortened to fit; see

@@ -63,6 +63,26 @@ def test_greedy_tree_equals_autoregressive(char_llm, verifier):
     assert accepted_any, "no draft was ever accepted: the test did not exercise speculation"
 
 
+def test_trees_keep_only_the_nodes_worth_their_rows(char_llm):
+    """The verifier's row cost decides how much of each proposed tree is verified: free rows
+    take the whole budget, rows dearer than any node's chance take none; greedy output is
+    the same either way."""
+    model = char_llm.verifier_model("fp")
+    before = model.row_cost
+    runs = {}
+    try:
+        for cost in (0.0, before, 100.0):
+            model.row_cost = cost
+            runs[cost] = char_llm.generate(REPETITIVE[0], raw=True, max_new_tokens=30, drafter="tree",
+                                           draft_budget=16, verifier="fp")
+    finally:
+        model.row_cost = before
+    assert runs[0.0].token_ids == runs[before].token_ids == runs[100.0].token_ids
+    assert runs[100.0].stats["drafted"] == 0
+    assert runs[0.0].stats["drafted"] > runs[before].stats["drafted"] > 0
+    assert runs[0.0].stats["drafted"] / runs[0.0].stats["steps"] > 8  # most of the budget
+
+
 def test_tree_options_are_checked(char_llm):
     with pytest.raises(QuasarError, match="draft_budget") as e:
         char_llm.check_options(drafter="tree", draft_budget=0)

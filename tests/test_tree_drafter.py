@@ -9,7 +9,8 @@ import pytest
 
 from quasar.errors import QuasarError
 from quasar.speculative.registry import make_drafter
-from quasar.speculative.tree_drafter import TreeDrafter, match_score, recycle_score
+from quasar.speculative.drafters import DraftTree
+from quasar.speculative.tree_drafter import EDGE_PROB, TreeDrafter, edge_prob
 
 
 def brute_followers(history, context, n_min, n_max):
@@ -36,15 +37,16 @@ def brute_recycled(steps, token):
 
 
 def brute_edges(history, steps, path, n_min, n_max):
-    """token -> edge score below history + path, straight from the module's definitions."""
+    """token -> edge probability below history + path, straight from the module's
+    definitions: the longest n-gram proposing the token, and its recycled rank."""
     context = history + path
-    best = {}
-    for n, (total, seen) in brute_followers(history, context, n_min, n_max).items():
+    longest = {}
+    for n, (total, seen) in sorted(brute_followers(history, context, n_min, n_max).items()):
         for token, (count, _) in seen.items():
-            best[token] = max(best.get(token, 0.0), match_score(n, count, total))
-    for rank, token in enumerate(brute_recycled(steps, context[-1])):
-        best[token] = max(best.get(token, 0.0), recycle_score(rank))
-    return best
+            longest[token] = (n, count, total)
+    ranks = {token: rank for rank, token in enumerate(brute_recycled(steps, context[-1]))}
+    return {token: edge_prob(*longest.get(token, (0, 0, 0)), ranks.get(token))
+            for token in longest.keys() | ranks.keys()}
 
 
 def random_run(rng, vocab, n_steps):
@@ -106,6 +108,8 @@ def test_tree_is_the_budget_likeliest_nodes(seed):
         assert len(every) < 100_000
     best = sorted(every, reverse=True)
     assert sorted(scores, reverse=True) == pytest.approx(best[:len(tree)], rel=1e-12)
+    assert tree.probs == pytest.approx(scores, rel=1e-12)  # each node's path probability
+    assert all(a >= b for a, b in zip(tree.probs, tree.probs[1:]))  # best first
     if len(tree) < budget:  # it stopped early only for want of candidates
         assert len(best) == len(tree)
 
@@ -128,8 +132,14 @@ def test_repeats_extend_through_the_path_and_recycling_fills_in():
     assert len(d.propose_tree(4)) == 0 and d.propose(3) == []
     d.observe([3, 9], [[9, 4], [5, 6]])
     tree = d.propose_tree(4)
-    assert tree.tokens[:2] == [9, 4] and tree.parents[:2] == [-1, -1]  # 3's candidates, best first
-    assert 5 in tree.tokens  # and below 9, what the verifier said follows 9
+    # 3's first recycled candidate, then 3's second one and what the verifier said follows 9
+    # (below 9: the product), the likelier first (on a tie, the one pushed first: 3's)
+    first, second = EDGE_PROB[0][False][:2]
+    assert tree.tokens[0] == 9 and tree.parents[0] == -1 and tree.probs[0] == first
+    below_9, next_of_3 = (1, 2) if first * first > second else (2, 1)
+    assert tree.tokens[below_9] == 5 and tree.parents[below_9] == 0
+    assert tree.tokens[next_of_3] == 4 and tree.parents[next_of_3] == -1
+    assert tree.probs[below_9] == pytest.approx(first * first) and tree.probs[next_of_3] == second
 
 
 def test_options_and_factory():
@@ -143,3 +153,29 @@ def test_options_and_factory():
     d = TreeDrafter(budget=3)
     d.reset([4, 4, 4, 4])
     assert len(d.propose_tree(10)) == 3  # the drafter's own budget caps the step's
+
+
+def test_edge_probabilities_are_the_measured_table():
+    assert edge_prob(3, 5, 6, 0) == EDGE_PROB[3][True][0]  # a 3-gram that mostly continues so
+    assert edge_prob(4, 1, 3, None) == EDGE_PROB[3][False][3]  # longer n-grams count as 3
+    assert edge_prob(0, 0, 0, 7) == EDGE_PROB[0][False][2]  # recycled only, rank 2 or more
+    for n in EDGE_PROB:
+        for row in EDGE_PROB[n].values():
+            assert all(0.0 <= p < 1.0 for p in row)
+            assert list(row[:3]) == sorted(row[:3], reverse=True)  # a better rank never hurts
+
+
+def test_worth_keeping_pays_for_each_row():
+    """The kept prefix maximises (1 + sum of probs) / (1 + row_cost * nodes)."""
+    tree = DraftTree([1, 2, 3, 4], [-1, 0, -1, 2], [0.9, 0.5, 0.1, 0.01])
+    assert tree.worth_keeping(0.0) == 4  # free rows: everything
+    assert tree.worth_keeping(0.03) == 3  # 0.01 does not pay for a row at 3%
+    assert tree.worth_keeping(0.05) == 2  # nor 0.1 at 5%
+    assert tree.worth_keeping(0.3) == 2
+    assert tree.worth_keeping(10.0) == 0
+    assert DraftTree.chain([5, 6, 7]).worth_keeping(10.0) == 3  # no probs: all
+    for cost in (0.0, 0.03, 0.07, 0.2):
+        m = tree.worth_keeping(cost)
+        value = [(1 + sum(tree.probs[:k])) / (1 + cost * k) for k in range(5)]
+        assert value[m] == max(value)
+    assert tree.limit(2).probs == [0.9, 0.5]

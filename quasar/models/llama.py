@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quasar.defaults import DEFAULT_ROW_COST
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
 from quasar.models.rows import Rows
@@ -246,6 +247,9 @@ class Transformer(nn.Module):
         # Optional fast argmax / top-k of logits rows: (logits [R, V] float32, k) ->
         # (argmax [R], top-k ids [R, k]) with torch.argmax's choice; see row_argmax_topk.
         self.select_kernel = None
+        # Extra time of one more row in a verifier step, as a fraction of a one-row step: what
+        # drafters weigh accepted tokens against (the fused W8A8 step sets its own).
+        self.row_cost = DEFAULT_ROW_COST
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight

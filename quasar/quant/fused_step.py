@@ -169,11 +169,30 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
     return torch.bfloat16
 
 
+# Extra time per row of a fused step, as a fraction of a one-row step, measured with
+# scripts/step_rows.py on the default model (2-core development machines): with AMX a
+# 16-row step costs ~1.35-1.5x a one-row step; with the VNNI kernel alone 6 rows cost ~1.2-1.4x
+# and 16 rows ~2x (passes of 6 rows over each weight tile).
+AMX_ROW_COST = 0.03
+VNNI_ROW_COST = 0.07
+
+
+def step_row_cost() -> float:
+    """What one more row costs a fused W8A8 step on this CPU (Transformer.row_cost)."""
+    from quasar.defaults import DEFAULT_ROW_COST
+    from quasar.quant import ext
+
+    if ext.amx_supported():
+        return AMX_ROW_COST
+    return VNNI_ROW_COST if ext.small_m_supported() else DEFAULT_ROW_COST
+
+
 def install(model: nn.Module) -> None:
     """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called), its
-    KV cache dtype and the one-pass argmax / top-k of its logits rows."""
+    KV cache dtype, the one-pass argmax / top-k of its logits rows and its row cost."""
     from quasar.quant import ext
 
     model.step_kernel = FusedW8A8Step(model)
     model.kv_dtype = kv_cache_dtype(model)
     model.select_kernel = ext.row_argmax_topk_op()
+    model.row_cost = step_row_cost()

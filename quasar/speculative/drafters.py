@@ -18,10 +18,14 @@ from quasar.errors import QuasarError
 class DraftTree:
     """Draft tokens below the pending token: node i is `tokens[i]`, a child of node
     `parents[i]` (-1: of the pending token). Parents come before their children, so any
-    prefix of the nodes is a tree too. A chain d1..dk has parents -1, 0, 1, ..., k - 2."""
+    prefix of the nodes is a tree too. A chain d1..dk has parents -1, 0, 1, ..., k - 2.
+    `probs` (optional): each node's estimated chance that greedy verification accepts its
+    whole path, non-increasing in node order (the decode loop keeps the prefix that pays
+    for its rows: `worth_keeping`)."""
 
     tokens: list[int]
     parents: list[int]
+    probs: list[float] | None = None
     EMPTY: ClassVar["DraftTree"]
 
     @classmethod
@@ -37,7 +41,23 @@ class DraftTree:
 
     def limit(self, n: int) -> "DraftTree":
         """The first n nodes (still a tree)."""
-        return self if len(self) <= n else DraftTree(self.tokens[:n], self.parents[:n])
+        if len(self) <= n:
+            return self
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n])
+
+    def worth_keeping(self, row_cost: float) -> int:
+        """How many of the first nodes to verify: the count m that maximises the expected
+        tokens a step emits, 1 + the sum of the kept nodes' probs, per its cost, 1 + row_cost
+        * m (row_cost: the extra time of one more row, as a fraction of a one-row step). All
+        nodes when there are no probs."""
+        if self.probs is None:
+            return len(self)
+        best_m, best, gain = 0, 1.0, 1.0
+        for m, p in enumerate(self.probs, start=1):
+            gain += p
+            if gain / (1.0 + row_cost * m) > best + 1e-12:
+                best_m, best = m, gain / (1.0 + row_cost * m)
+        return best_m
 
     def children(self, node: int) -> list[int]:
         """Nodes directly below `node` (-1: the pending token), in order."""

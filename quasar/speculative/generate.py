@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quasar.defaults import DEFAULT_NUM_DRAFT
+from quasar.defaults import DEFAULT_NUM_DRAFT, DEFAULT_ROW_COST
 from quasar.errors import QuasarError
 from quasar.models.tokenizer import StreamDecoder, Tokenizer
 from quasar.speculative.acceptance import (AdaptiveDraftLength, accept_greedy_tree, accept_sampling,
@@ -188,7 +188,7 @@ class Sequence:
     """
 
     def __init__(self, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions, tokenizer: Tokenizer,
-                 max_seq_len: int):
+                 max_seq_len: int, row_cost: float = DEFAULT_ROW_COST):
         opts.validate()
         if not prompt_ids:
             raise QuasarError("the prompt is empty")
@@ -198,7 +198,11 @@ class Sequence:
         self.prompt_ids, self.drafter, self.opts, self.max_seq_len = list(prompt_ids), drafter, opts, max_seq_len
         self.stats = Stats(prompt_tokens=len(prompt_ids))
         self.gen = None if opts.sampling.greedy else make_generator(opts.sampling)
-        self.adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1)) \
+        # row_cost: the verifier's extra time per row over a one-row step (Transformer.row_cost);
+        # draft lengths and tree sizes are chosen to pay for their rows at that price.
+        self.row_cost = row_cost
+        self.adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1),
+                                            token_cost=row_cost) \
             if opts.adaptive and opts.num_draft > 0 else None
         self.out = _Output(tokenizer, opts)
         self.logprobs: list[TokenLogprob] | None = [] if opts.logprobs is not None else None
@@ -233,7 +237,8 @@ class Sequence:
         k = max(0, min(want, room - 1, self.opts.max_new_tokens - len(self.out.ids) - 1))
         if max_draft is not None:
             k = min(k, max_draft)
-        self.tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
+        tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
+        self.tree = tree.limit(tree.worth_keeping(self.row_cost))  # the nodes likely enough to pay for their rows
         return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
 
     def accept(self, logits: torch.Tensor, best: list[int] | None = None,
