@@ -330,3 +330,21 @@ def test_batch_rows_are_bitwise_each_sequence_alone(models, arch, long):
         assert torch.equal(k_batch[:, slot, :, :n], q.cache.k[:, 0, :, :n]), slot
         assert torch.equal(v_batch[:, slot, :, :n], q.cache.v[:, 0, :, :n]), slot
         row += len(t) + 1
+
+
+def test_w8a8_models_get_the_row_select_op_and_their_row_cost(models):
+    """install() gives a W8A8 model the one-pass argmax / top-k (the same tokens as torch's)
+    and the row cost of this CPU's kernel; float models keep torch and the default cost."""
+    from quasar.defaults import DEFAULT_ROW_COST
+    from quasar.quant import fused_step
+
+    fp, q, ids = models["qwen3"]
+    assert q.select_kernel is not None and fp.select_kernel is None
+    expected = fused_step.AMX_ROW_COST if ext.amx_supported() else fused_step.VNNI_ROW_COST
+    assert q.row_cost == expected == fused_step.step_row_cost() and fp.row_cost == DEFAULT_ROW_COST
+    logits = step_logits(q, long_ids(ids), 9, fused=True)
+    best, top = q.row_argmax_topk(logits, 8)
+    want_best, want_top = fp.row_argmax_topk(logits, 8)  # torch
+    assert best == want_best and best == logits.argmax(dim=-1).tolist()
+    assert torch.equal(logits.gather(1, torch.tensor(top)), logits.gather(1, torch.tensor(want_top)))
+    assert q.row_argmax_topk(logits, 0) == (best, None)
