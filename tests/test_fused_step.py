@@ -66,8 +66,8 @@ def fused_calls(q):
     """Record, per verifier step of ``q``, whether the fused step ran (not None)."""
     kernel, calls = q.step_kernel, []
 
-    def spy(*args):
-        y = kernel(*args)
+    def spy(*args, **kwargs):
+        y = kernel(*args, **kwargs)
         calls.append(y is not None)
         return y
 
@@ -348,3 +348,44 @@ def test_w8a8_models_get_the_row_select_op_and_their_row_cost(models):
     assert best == want_best and best == logits.argmax(dim=-1).tolist()
     assert torch.equal(logits.gather(1, torch.tensor(top)), logits.gather(1, torch.tensor(want_top)))
     assert q.row_argmax_topk(logits, 0) == (best, None)
+
+
+@pytest.fixture(scope="module")
+def head_dim_64(tmp_path_factory, default_model_dir):
+    """A tiny W8A8 Llama with head_dim 64 (the default model's), 2 query heads per kv head."""
+    d = make_tiny_model(tmp_path_factory.mktemp("hd64") / "m", "llama", default_model_dir, hidden_size=128,
+                        num_attention_heads=2, num_key_value_heads=1)
+    loaded = load_model(d)
+    q = build_w8a8(loaded.model, loaded.tokenizer, calib_text=CALIB, samples=2, seq_len=48, progress=False)
+    return q, loaded.tokenizer.encode(PROMPT)
+
+
+@pytest.mark.skipif(not ext.amx_attention_supported(), reason="prompt chunks attend with tiles on AMX-BF16 CPUs")
+@pytest.mark.parametrize("arch", ["qwen3", "head_dim_64"])
+def test_prompt_chunks_attend_with_tiles_close_to_the_step_kernel(models, head_dim_64, arch):
+    """A prompt chunk (prefill=True) attends with AMX-BF16 tiles: a different summation
+    order from the row-invariant kernel, so close rather than bitwise, for its logits and
+    the K/V it leaves; verifier steps never take it, and the same prompt gives the same
+    cache every time."""
+    q, ids = head_dim_64 if arch == "head_dim_64" else models[arch][1:]
+    assert q.kv_dtype == torch.bfloat16
+    ids = long_ids(ids)
+    head, chunk = ids[:70], ids[70:190]  # a second chunk attends to 70 cached keys, then to its own
+
+    def prefill_logits(prefill: bool):
+        q.setup_cache(256)
+        q._run_rows(Rows.chain(head, 0, q.cache.lengths), modules=False, prefill=prefill)
+        q.cache.lengths[0] = len(head)
+        x = q._run_rows(Rows.chain(chunk, 0, q.cache.lengths), modules=False, prefill=prefill)
+        n = len(head) + len(chunk)
+        return q._logits(x, "all")[0], q.cache.k[:, 0, :, :n].float().clone(), q.cache.v[:, 0, :, :n].float().clone()
+
+    tiles, tiles_k, tiles_v = prefill_logits(True)
+    plain, plain_k, plain_v = prefill_logits(False)
+    assert torch.equal(prefill_logits(True)[0], tiles)  # deterministic
+    assert not torch.equal(tiles, plain)  # the tiles really ran (a different summation order)
+    scale = plain.abs().max()
+    assert (tiles - plain).abs().max() < 2e-2 * scale
+    assert (tiles.argmax(-1) == plain.argmax(-1)).float().mean() > 0.95
+    assert (tiles_k - plain_k).abs().max() < 5e-2 * plain_k.abs().max()
+    assert (tiles_v - plain_v).abs().max() < 5e-2 * plain_v.abs().max()

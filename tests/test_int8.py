@@ -706,7 +706,7 @@ def test_amx_is_on_by_default_and_can_be_turned_off(amx) -> None:
     off = subprocess.run([sys.executable, "-c", code], env={**env, "QUASAR_NO_AMX": "1"},
                          capture_output=True, text=True, check=True)
     assert on.stdout.split() == ["True", "2", "128"]
-    assert off.stdout.split() == ["True", "0", "16"]
+    assert off.stdout.split() == ["False", "0", "16"]
 
 
 # ---------------------------------------------------------------- argmax / top-k of logits rows

@@ -276,15 +276,20 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x)).float()
 
-    def _run_rows(self, rows: Rows, modules: bool = True) -> Tensor | None:
+    def _run_rows(self, rows: Rows, modules: bool = True, prefill: bool = False) -> Tensor | None:
         """Hidden states [1, R, H] after all layers for a step's rows (K/V written, lengths
-        kept). `modules=False`: only through the step kernel, None when it does not apply."""
+        kept). `modules=False`: only through the step kernel, None when it does not apply.
+        `prefill`: the rows are a prompt chunk, which the step kernel may compute with
+        other (not row-invariant) kernels: a prompt is always prefilled in the same chunks."""
         cache = self.cache or self.setup_cache()
         rows.check_fits(cache.max_seq_len)
         dev = self.model.norm.weight.device
         x = self.model.embed_tokens(torch.tensor([rows.tokens], device=dev))
         cos, sin = self._rope(torch.tensor(rows.positions, device=dev), x.dtype)
-        y = self.step_kernel(x, cos, sin, cache, rows) if self.step_kernel is not None else None
+        y = None
+        if self.step_kernel is not None:
+            y = self.step_kernel(x, cos, sin, cache, rows, prefill=True) if prefill else \
+                self.step_kernel(x, cos, sin, cache, rows)
         if y is not None or not modules:
             return y
         for i, layer in enumerate(self.model.layers):
@@ -333,7 +338,7 @@ class Transformer(nn.Module):
         elif t <= getattr(self.step_kernel, "max_rows", 0):
             # A prefill chunk the fused step takes, as one chain: faster than the modules'
             # causal prefill (~1.7x at 50 tokens on the W8A8 default model).
-            x = self._run_rows(Rows.chain(input_ids[0].tolist(), slot, cache.lengths), modules=False)
+            x = self._run_rows(Rows.chain(input_ids[0].tolist(), slot, cache.lengths), modules=False, prefill=True)
         if x is None:
             x = self.model.embed_tokens(input_ids)
             positions = torch.arange(start, start + t, device=x.device)

@@ -22,7 +22,9 @@ k + 1 tokens) with a hand-written kernel that reads the weight once, instead of 
 :func:`small_m_max` reads or sets the threshold (0: always oneDNN), for benchmarks and tests.
 On a CPU with AMX-INT8 the same kernel computes steps of 2 or more rows with tile matrix
 multiplies (:func:`amx_min_rows`; ``QUASAR_NO_AMX=1`` keeps it off): the same exact int32
-sums, so extra rows (drafts, batched sequences) cost little more than the first.
+sums, so extra rows (drafts, batched sequences) cost little more than the first; and
+prompt chunks over a bfloat16 KV cache attend with AMX-BF16 tiles
+(:func:`amx_attention_supported`).
 
 Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a
 compiler or ninja, on a failed build or load, or off POSIX, :func:`int8_linear_op` returns
@@ -67,6 +69,7 @@ __all__ = [
     "amx_supported",
     "amx_min_rows",
     "bf16_kv_supported",
+    "amx_attention_supported",
 ]
 
 log = logging.getLogger(__name__)
@@ -123,8 +126,9 @@ def small_m_max(value: int | None = None) -> int:
 
 def amx_supported() -> bool:
     """True when the small-M kernel computes multi-row steps with AMX here (AMX-INT8 CPUs:
-    Sapphire Rapids and later; Linux must allow the tile state). False without the op."""
-    return small_m_supported() and bool(torch.ops.quasar_quant.int8_amx_supported())
+    Sapphire Rapids and later; Linux must allow the tile state) and AMX is not turned off
+    (``QUASAR_NO_AMX``, ``amx_min_rows(0)``). False without the op."""
+    return small_m_supported() and bool(torch.ops.quasar_quant.int8_amx_supported()) and amx_min_rows() > 0
 
 
 def amx_min_rows(value: int | None = None) -> int:
@@ -171,6 +175,12 @@ def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | N
     top-k ids [R, k]): torch.argmax's choice per row and the k largest, in one pass;
     None without the op."""
     return torch.ops.quasar_quant.row_argmax_topk if int8_linear_op() is not None else None
+
+
+def amx_attention_supported() -> bool:
+    """True when the decoder op attends prompt chunks over a bfloat16 cache with AMX-BF16
+    tiles here (False without the op)."""
+    return bf16_kv_supported() and bool(torch.ops.quasar_quant.w8a8_amx_attention_supported())
 
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:

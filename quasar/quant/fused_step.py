@@ -63,7 +63,9 @@ class FusedW8A8Step:
         # What to recheck before each step, as columns: (owner dicts, keys, objects)
         self._watch: tuple[tuple, tuple, tuple] = ((), (), ())
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, rows) -> Tensor | None:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, rows, prefill: bool = False) -> Tensor | None:
+        # prefill: the rows are a prompt chunk (always computed the same way for a prompt),
+        # which may attend with AMX tiles instead of the row-invariant kernel.
         # The op runs up to MAX_ROWS rows: chains or trees, in one or more cache slots.
         if len(rows) > MAX_ROWS:
             return None
@@ -79,7 +81,7 @@ class FusedW8A8Step:
         starts = [rows.starts[s] for s in rows.slots]
         return self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, norms,
                         cfg.rms_norm_eps, weights, tiles, scales, biases, comps, act_bits, cfg.num_heads,
-                        cfg.num_kv_heads)
+                        cfg.num_kv_heads, prefill)
 
     def _unchanged(self) -> bool:
         """Every watched object is still in place: ~1,500 identity checks at 30 layers, run

@@ -496,6 +496,221 @@ AttendBf16Fn attend_bf16_for(int64_t d) {
   }
 }
 
+// ------------------------------------------- prefill attention with AMX-BF16 tiles
+// A prompt chunk (a chain of up to 128 rows in one slot) attends with tile multiplies
+// (tdpbf16ps: 16 queries x 16 keys x 32 dims, or 16 queries x 32 keys x 16 dims, per
+// instruction) instead of vdpbf16ps: same bf16 inputs (q, K, V, softmax numerators rounded
+// to bf16; max, exp, sums and normalisation in float32), a different summation order. That
+// is allowed only for prompt chunks: a prompt is always prefilled in the same chunks, so
+// its cache is the same in every decode, while verifier steps keep the row-invariant kernel
+// (a token's logits never depend on how it was verified). Why: at 5k tokens attention was
+// half of the prefill, at the vdpbf16ps compute limit.
+// Tiles (one configuration, `rows` = the query block's rows): 0..4 and 7 [rows, 64 bytes],
+// 5 and 6 [16, 64 bytes]. Scores: A = q (tiles 1..4, one per 32 dims), B = a K^T chunk,
+// C = tile 0; for head_dim <= 64 two key chunks at a time (C = tiles 0 and 7), so one
+// chunk's sums need not wait for the other's store. Output: A = softmax numerators of
+// 32 keys (tile 4), B = V pairs (tiles 5, 6), C = tiles 0..3 (16 dims each).
+#if defined(__linux__) && (__GNUC__ >= 11 || defined(__clang__))
+#define QUASAR_AMX_ATTENTION 1
+#define QUASAR_AMXBF16 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vnni,avx512bf16")))
+
+struct alignas(64) AttnTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+QUASAR_AMXBF16 void attn_tiles(int64_t rows) {
+  AttnTileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.rows[i] = static_cast<uint8_t>(i < 5 || i == 7 ? rows : 16), cfg.colsb[i] = 64;
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");  // ldtilecfg reads the stores above
+  _tile_loadconfig(&cfg);
+}
+
+// Output dims [16 g0, 16 (g0 + NC)) of a query block: probs [rows, 32 keys] tiles against
+// V pair tiles (vt: per 32-key chunk, 16 rows of key pairs, C vectors of 64 bytes each);
+// sums stored as [rows, 64] floats at `out` (vector c at column 16 c).
+template <int C, int NC>
+QUASAR_AMXBF16 inline void prefill_pv(const uint16_t* probs, int64_t stride, const __m512i* vt, int64_t g0,
+                                      int64_t chunks, float* out) {
+  constexpr int64_t kRow = C * 64;  // bytes from one key pair's row of a vt chunk to the next
+  _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const __m512i* w = vt + ch * 16 * C + g0;
+    _tile_loadd(4, probs + ch * 32, stride * 2);
+    _tile_loadd(5, w, kRow);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NC > 1) {
+      _tile_loadd(6, w + 1, kRow);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NC > 2) {
+      _tile_loadd(5, w + 2, kRow);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (NC > 3) {
+      _tile_loadd(6, w + 3, kRow);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, out, 256);
+  if constexpr (NC > 1) _tile_stored(1, out + 16, 256);
+  if constexpr (NC > 2) _tile_stored(2, out + 32, 256);
+  if constexpr (NC > 3) _tile_stored(3, out + 48, 256);
+}
+
+// The tiles' operands from a kv head's cache rows (k, v [S, 16C] bf16): K^T of 16-key
+// chunk h (8C vectors at kt + 8C h: load_kt's layout) and the V pairs of keys 16h..16h+15 (8
+// pair rows of the 32-key chunk h / 2 at vt + 8C h: load_vt's), keys past n zeros (the cache
+// past the step is uninitialised memory). Done once per kv head and chunk of a prefill step,
+// shared by all its queries.
+template <int C>
+QUASAR_AMXBF16 void prefill_operands(const uint16_t* k, const uint16_t* v, int64_t n, int64_t h, __m512i* kt,
+                                     __m512i* vt) {
+  constexpr int64_t d = 16 * C;
+  const uint16_t* rows[16];
+  for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = 16 * h + jj < n ? k + (16 * h + jj) * d : nullptr;
+  load_kt<C>(rows, kt + h * 8 * C);
+  for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = 16 * h + jj < n ? v + (16 * h + jj) * d : nullptr;
+  load_vt<C>(rows, vt + h * 8 * C);
+}
+
+// attend_group_bf16's result for the queries of a prompt chunk (every query's keys are
+// rows 0..n_i of the slot: a chain), with tiles, from the kv head's prefill_operands (kt,
+// vt: every 16-key chunk up to the queries' longest n rounded up to 32 keys). Scratch:
+// `scores` / `probs` nq * stride (stride a multiple of 32, >= max n), `acc` 16 * 64 floats.
+template <int C>
+QUASAR_AMXBF16 void attend_prefill_amx(const float* const* qs, const int64_t* ns, float* const* outs, int64_t nq,
+                                       const __m512i* kt, const __m512i* vt, float scale, float* scores,
+                                       uint16_t* probs, int64_t stride, float* acc) {
+  static_assert(C % 2 == 0 && C <= 8, "AMX prefill attention: head_dim 32, 64, 96 or 128");
+  constexpr int64_t d = 16 * C, np = 8 * C;
+  alignas(64) uint16_t qb[kMaxGroupQueries * d];
+  for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
+  for (int64_t q0 = 0; q0 < nq; q0 += 16) {
+    const int64_t mb = std::min<int64_t>(16, nq - q0);
+    int64_t n_block = 0;
+    for (int64_t i = q0; i < q0 + mb; ++i) n_block = std::max(n_block, ns[i]);
+    attn_tiles(mb);
+    // scores of the block's queries, 16 keys at a time (unscaled; keys past a query's n are
+    // computed and never read)
+    const uint16_t* qrow = qb + q0 * d;
+    _tile_loadd(1, qrow, d * 2);
+    if constexpr (C > 2) _tile_loadd(2, qrow + 32, d * 2);
+    if constexpr (C > 4) _tile_loadd(3, qrow + 64, d * 2);
+    if constexpr (C > 6) _tile_loadd(4, qrow + 96, d * 2);
+    const int64_t chunks = (n_block + 15) / 16;
+    int64_t ch = 0;
+    if constexpr (C <= 4) {  // two chunks at a time: independent sums in tiles 0 and 7
+      const int64_t ld = stride * 4;
+      for (; ch + 2 <= chunks; ch += 2) {
+        const __m512i* t = kt + ch * np;
+        _tile_zero(0);
+        _tile_zero(7);
+        _tile_loadd(5, t, 64);
+        _tile_loadd(6, t + np, 64);
+        _tile_dpbf16ps(0, 1, 5);
+        _tile_dpbf16ps(7, 1, 6);
+        if constexpr (C > 2) {
+          _tile_loadd(5, t + 16, 64);
+          _tile_dpbf16ps(0, 2, 5);
+          _tile_loadd(6, t + np + 16, 64);
+          _tile_dpbf16ps(7, 2, 6);
+        }
+        _tile_stored(0, scores + q0 * stride + 16 * ch, ld);
+        _tile_stored(7, scores + q0 * stride + 16 * (ch + 1), ld);
+      }
+    }
+    for (; ch < chunks; ++ch) {
+      const __m512i* t = kt + ch * np;
+      _tile_zero(0);
+      _tile_loadd(5, t, 64);
+      _tile_dpbf16ps(0, 1, 5);
+      if constexpr (C > 2) {
+        _tile_loadd(6, t + 16, 64);
+        _tile_dpbf16ps(0, 2, 6);
+      }
+      if constexpr (C > 4) {
+        _tile_loadd(5, t + 32, 64);
+        _tile_dpbf16ps(0, 3, 5);
+      }
+      if constexpr (C > 6) {
+        _tile_loadd(6, t + 48, 64);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, scores + q0 * stride + 16 * ch, stride * 4);
+    }
+    // softmax numerators as bf16 (zeros from n_i to the block's last 32-key chunk), and
+    // 1 / their float32 sum
+    alignas(64) float inv[16];
+    const int64_t end32 = (n_block + 31) / 32 * 32;
+    for (int64_t r = 0; r < mb; ++r) {
+      const int64_t i = q0 + r, n = ns[i];
+      float* s = scores + i * stride;
+      uint16_t* pb = probs + i * stride;
+      const __m512 sc = _mm512_set1_ps(scale);
+      __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = tail_mask(n - j);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), sc);
+        _mm512_mask_storeu_ps(s + j, m, x);
+        vmx = _mm512_mask_max_ps(vmx, m, vmx, x);
+      }
+      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < end32; j += 16) {
+        __m512 e = _mm512_setzero_ps();  // zeros past n
+        if (j < n) {
+          const __mmask16 m = tail_mask(n - j);
+          e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx)));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      inv[r] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    // out = numerators x V, 16 dims per accumulator tile (4 at a time), then the lanes'
+    // dim permutation of load_vt undone and the sum normalised
+    const uint16_t* pblock = probs + q0 * stride;
+    for (int64_t g0 = 0; g0 < C; g0 += 4) {
+      if (C - g0 >= 4)
+        prefill_pv<C, 4>(pblock, stride, vt, g0, end32 / 32, acc);
+      else
+        prefill_pv<C, 2>(pblock, stride, vt, g0, end32 / 32, acc);
+      for (int64_t r = 0; r < mb; ++r)
+        for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c) {
+          const float* lanes = acc + r * 64 + (c - g0) * 16;
+          const int64_t base = 32 * (c / 2) + 4 * (c % 2);  // lane 4g + e is dim 32b + 8g + 4h + e
+          for (int l = 0; l < 16; ++l) outs[q0 + r][base + 8 * (l / 4) + l % 4] = lanes[l] * inv[r];
+        }
+    }
+  }
+  _tile_release();
+}
+
+using AttendPrefillFn = void (*)(const float* const*, const int64_t*, float* const*, int64_t, const __m512i*,
+                                 const __m512i*, float, float*, uint16_t*, int64_t, float*);
+using PrefillOperandsFn = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, __m512i*, __m512i*);
+
+std::pair<AttendPrefillFn, PrefillOperandsFn> attend_prefill_for(int64_t d) {
+  switch (d) {
+    case 32: return {attend_prefill_amx<2>, prefill_operands<2>};
+    case 64: return {attend_prefill_amx<4>, prefill_operands<4>};
+    case 96: return {attend_prefill_amx<6>, prefill_operands<6>};
+    case 128: return {attend_prefill_amx<8>, prefill_operands<8>};
+    default: return {nullptr, nullptr};
+  }
+}
+
+bool amx_bf16_supported() {
+  static const bool ok = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16");
+  return ok && quasar::amx_enabled();
+}
+#endif
+
 bool bf16_supported() {
   static const bool ok = quasar::cpu_has_vnni() && __builtin_cpu_supports("avx512bf16");
   return ok;
@@ -610,7 +825,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                at::TensorList weights, at::TensorList tiles, at::TensorList scales,
                                const c10::List<std::optional<at::Tensor>>& biases,
                                at::TensorList comps, at::IntArrayRef act_bits, int64_t n_heads,
-                               int64_t n_kv_heads) {
+                               int64_t n_kv_heads, bool prefill) {
 #ifdef QUASAR_LAYER_KERNEL
   TORCH_CHECK(quasar::cpu_has_vnni(), "w8a8_decoder_layers needs an AVX512-VNNI CPU");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -677,7 +892,22 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
   TORCH_CHECK(!bf16 || attend_bf16 != nullptr,
               "w8a8_decoder_layers: a bfloat16 cache needs head_dim 32, 64, 96, 128 or 256");
-  const int64_t stride = (max_keys + 15) / 16 * 16;  // of the score rows
+  const int64_t stride = (max_keys + 31) / 32 * 32;  // of the score rows (32-key tiles in prefill)
+  // A prompt chunk on an AMX-BF16 CPU attends with tiles (attend_prefill_amx: allowed for
+  // prefill only, see there).
+#ifdef QUASAR_AMX_ATTENTION
+  const auto [attend_prefill, prefill_operands_fn] = prefill && bf16 && is_chain && groups.size() == 1 &&
+                                                             amx_bf16_supported()
+                                                         ? attend_prefill_for(D)
+                                                         : std::pair<AttendPrefillFn, PrefillOperandsFn>{};
+  // Its operands, per kv head: K^T per 16 keys (D / 2 rows of 64 bytes) and V pairs per 32
+  // keys (D rows), for every key of the step (stride covers them in whole 32-key chunks);
+  // 64-byte aligned by hand.
+  const int64_t kt_rows = stride / 16 * D / 2, vt_rows = stride / 32 * D, halves = stride / 16;
+  std::vector<uint8_t> operands_raw(attend_prefill ? 64 * (n_kv_heads * (kt_rows + vt_rows) + 1) : 0);
+  __m512i* const operands =
+      reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(operands_raw.data()) + 63) & ~uintptr_t{63});
+#endif
   const float* cs = float_data(cos, T * D, "cos");
   const float* sn = float_data(sin, T * D, "sin");
   const float feps = static_cast<float>(eps);
@@ -806,6 +1036,17 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
         }
       }
 #pragma omp barrier
+#ifdef QUASAR_AMX_ATTENTION
+      if (attend_prefill) {  // the tiles' operands of every kv head, 16 keys a unit
+        const int64_t units = n_kv_heads * halves, first = groups[0].first;
+        for (int64_t u = units * tid / nt; u < units * (tid + 1) / nt; ++u) {
+          const int64_t kv = u / halves, head = layer_at + (slots[first] * n_kv_heads + kv) * S * D;
+          __m512i* kt = operands + kv * (kt_rows + vt_rows);
+          prefill_operands_fn(k_b16 + head, v_b16 + head, max_keys, u % halves, kt, kt + kt_rows);
+        }
+#pragma omp barrier
+      }
+#endif
       for (int64_t i = next_item[l]++; i < n_items; i = next_item[l]++) {
         const Item& it = items[i];
         const float* qp[kMaxGroupQueries];
@@ -821,6 +1062,14 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
           tl[qi - it.q0] = tails[t];
         }
         const int64_t head = layer_at + (it.slot * n_kv_heads + it.kv) * S * D;
+#ifdef QUASAR_AMX_ATTENTION
+        if (attend_prefill) {
+          const __m512i* kt = operands + it.kv * (kt_rows + vt_rows);
+          attend_prefill(qp, ns, op, it.q1 - it.q0, kt, kt + kt_rows, scale, scores.data(), probs.data(), stride,
+                         acc.data());
+          continue;
+        }
+#endif
         if (bf16)
           attend_bf16(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_b16 + head, v_b16 + head, scale, scores.data(),
                       probs.data(), stride, acc.data());
@@ -865,11 +1114,21 @@ bool w8a8_bf16_supported() {
 #endif
 }
 
+// Whether prompt chunks over a bfloat16 cache attend with AMX-BF16 tiles here.
+bool w8a8_amx_attention_supported() {
+#if defined(QUASAR_LAYER_KERNEL) && defined(QUASAR_AMX_ATTENTION)
+  return bf16_supported() && amx_bf16_supported();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
   m.def("w8a8_bf16_supported() -> bool", &w8a8_bf16_supported);
+  m.def("w8a8_amx_attention_supported() -> bool", &w8a8_amx_attention_supported);
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] tiles, Tensor[] scales, Tensor?[] biases, "
-      "Tensor[] comps, int[] act_bits, int n_heads, int n_kv_heads) -> Tensor");
+      "Tensor[] comps, int[] act_bits, int n_heads, int n_kv_heads, bool prefill=False) -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 }

@@ -38,6 +38,10 @@ struct Int8Segment {
 // True when this CPU runs the AVX512-VNNI small-M kernel.
 bool cpu_has_vnni();
 
+// True when this CPU has AMX tiles (and AMX-INT8), Linux lets this process use them (asked
+// for on the first call) and they are not turned off (int8_amx_min_rows(0), QUASAR_NO_AMX).
+bool amx_enabled();
+
 // Per-row dynamic int8 quantization of x [M, K] as uint8 (q + 128) into q [M, padded_k(K)]
 // (the padding q = 0), scales into sx [M]; the same bits as quantize_activation in
 // quasar/quant/numerics.py.

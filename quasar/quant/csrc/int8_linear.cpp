@@ -476,6 +476,8 @@ namespace quasar {
 
 bool cpu_has_vnni() { return vnni_supported(); }
 
+bool amx_enabled() { return amx_supported() && g_amx_min_rows.load(std::memory_order_relaxed) > 0; }
+
 void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx) {
 #ifdef QUASAR_VNNI_KERNEL
   if (vnni_supported()) return quantize_u8_avx512(x, m_len, k_len, q, sx);
