@@ -172,21 +172,34 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 # Extra time per row of a fused step, as a fraction of a one-row step, measured with
-# scripts/step_rows.py on the default model (2-core development machines): with AMX a
-# 16-row step costs ~1.35-1.5x a one-row step; with the VNNI kernel alone 6 rows cost ~1.2-1.4x
-# and 16 rows ~2x (passes of 6 rows over each weight tile).
+# scripts/step_rows.py on the 2-core development machines. Default model (135 MB of int8
+# weights): with AMX a 16-row step costs ~1.35-1.5x a one-row step (0.03 a row); with the
+# VNNI kernel alone 6 rows cost ~1.2-1.4x (0.07), more a further pass over each weight tile.
+# A row's work grows with the model like the step's bytes do, but its fixed share shrinks:
+# at 1.5B (1.54 GB) 16 rows cost 1.17x with AMX (0.011) and 6 rows 1.09x with VNNI (0.018),
+# about the default model's cost times sqrt(135 MB / bytes), which step_row_cost uses.
 AMX_ROW_COST = 0.03
 VNNI_ROW_COST = 0.07
+_REFERENCE_BYTES = 135e6
 
 
-def step_row_cost() -> float:
-    """What one more row costs a fused W8A8 step on this CPU (Transformer.row_cost)."""
+def step_row_cost(model: nn.Module | None = None) -> float:
+    """What one more row costs a fused W8A8 step of `model` on this CPU (Transformer.row_cost),
+    as a fraction of a one-row step: this CPU's kernel's cost on the default model, scaled
+    down as sqrt(135 MB / the model's int8 weight bytes) for larger models (at most 4x)."""
     from quasar.defaults import DEFAULT_ROW_COST
     from quasar.quant import ext
 
     if ext.amx_supported():
-        return AMX_ROW_COST
-    return VNNI_ROW_COST if ext.small_m_supported() else DEFAULT_ROW_COST
+        base = AMX_ROW_COST
+    elif ext.small_m_supported():
+        base = VNNI_ROW_COST
+    else:
+        return DEFAULT_ROW_COST
+    if model is None:
+        return base
+    weight_bytes = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+    return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(weight_bytes, 1)) ** 0.5))
 
 
 def install(model: nn.Module) -> None:
@@ -197,4 +210,4 @@ def install(model: nn.Module) -> None:
     model.step_kernel = FusedW8A8Step(model)
     model.kv_dtype = kv_cache_dtype(model)
     model.select_kernel = ext.row_argmax_topk_op()
-    model.row_cost = step_row_cost()
+    model.row_cost = step_row_cost(model)
