@@ -171,6 +171,16 @@ def ir_weight_bytes(xml_path: Path) -> int:
 # --------------------------------------------------------------------------- decoding
 
 
+def _cpu_precision() -> str:
+    """The CPU plugin's default activation precision here (bf16 on AMX CPUs, else f32)."""
+    try:
+        import openvino as ov
+
+        return str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+    except Exception:
+        return "unknown"
+
+
 def _import_genai():
     try:
         import openvino_genai
@@ -180,9 +190,14 @@ def _import_genai():
 
 
 class OpenVINOPeer(Contender):
-    def __init__(self, name: str, model_dir: Path, threads: int, eos_ids: set[int]):
+    """`properties`: extra CPU plugin properties (tests pin INFERENCE_PRECISION_HINT to f32;
+    the bench keeps OpenVINO's defaults, bf16 activations on AMX CPUs, as users get them)."""
+
+    def __init__(self, name: str, model_dir: Path, threads: int, eos_ids: set[int],
+                 properties: dict | None = None):
         if name not in OPENVINO_PEERS:
             raise ValueError(name)
+        self.properties = dict(properties or {})
         self.name, self.model_dir, self.threads = name, Path(model_dir), threads
         self.eos_ids = sorted(eos_ids)
         self.pld = name == "openvino-pld"
@@ -191,6 +206,7 @@ class OpenVINOPeer(Contender):
                                f"max_ngram_size={PLD_MAX_NGRAM})" if self.pld else ""))
         self.pipe = None
         self.versions: dict = {}
+        self.precision: str | None = None  # the activation precision it runs at (after prepare)
 
     def prepare(self) -> None:
         ov_genai = _import_genai()
@@ -198,7 +214,7 @@ class OpenVINOPeer(Contender):
         sched = ov_genai.SchedulerConfig()
         sched.enable_prefix_caching = False  # see the module doc
         sched.max_num_batched_tokens = sys.maxsize  # the prompt in one forward, as GenAI's latency default
-        props = {"INFERENCE_NUM_THREADS": self.threads, "scheduler_config": sched}
+        props = {"INFERENCE_NUM_THREADS": self.threads, "scheduler_config": sched, **self.properties}
         if self.pld:
             props["prompt_lookup"] = True
         try:
@@ -209,9 +225,11 @@ class OpenVINOPeer(Contender):
         self.bytes_per_step = ir_weight_bytes(path / "openvino_model.xml")
         exported = json.loads((path / MANIFEST).read_text()).get("versions", {})
         self.versions = {"openvino_genai": ov_genai.get_version(), "export": exported}
+        self.precision = self.properties.get("INFERENCE_PRECISION_HINT") or _cpu_precision()
 
     def info(self) -> dict:
-        return {**super().info(), "threads": self.threads, "versions": self.versions}
+        return {**super().info(), "threads": self.threads, "versions": self.versions,
+                "inference_precision": self.precision}
 
     def _config(self, max_new_tokens: int):
         import openvino_genai as ov_genai
