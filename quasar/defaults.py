@@ -10,14 +10,14 @@ DEFAULT_NGRAM_MAX = 3
 # Draft length chosen per step from recent acceptance (speculative.acceptance.AdaptiveDraftLength);
 # measured faster than a fixed k on the default model with identical output (BENCHMARKS.md).
 DEFAULT_ADAPTIVE = True
-# The tree drafter (`--drafter tree`): draft nodes per step, and how many of the verifier's
-# top next tokens per verified row it recycles. The budget is the row count at which a
-# fused step stays within ~1.3x of a one-token step (`scripts/step_rows.py`): the small-M
-# GEMM takes 6 rows in one pass over each weight tile and more in another, so on the 2-core
-# development machine 6 rows cost 1.23x one row on the default model (7: 1.32x) and 1.09x at
-# 1.5B (7: 1.26x): 5 nodes (6 rows with the pending token). At 1.5B, 5 nodes decode 1.06x
-# faster than 6 at the same acceptance length.
-DEFAULT_DRAFT_BUDGET = 5
+# The tree drafter (`--drafter tree`): at most this many draft nodes per step, and how many
+# of the verifier's top next tokens per verified row it recycles. Each step verifies only
+# the nodes likely enough to pay for their rows (DraftTree.worth_keeping at the verifier's
+# row cost) and at most one pass of the fused step's GEMMs (Transformer.pass_rows: 16 rows
+# with AMX, 6 with VNNI alone). On the default model (2-core machine, 15 prompts, greedy)
+# 15 nodes decode as fast as 5 with AMX and L 1.82 vs 1.67; at 1.5B 16 nodes reach L 1.97
+# against the chain's 1.58 (1.08x its tokens/s); without AMX both are capped at 5 nodes.
+DEFAULT_DRAFT_BUDGET = 15
 # A verifier step's extra time per row, as a fraction of a one-row step (Transformer.row_cost;
 # the fused W8A8 step sets its own): what adaptive chain lengths and tree sizes weigh the
 # expected accepted tokens against.

@@ -343,6 +343,8 @@ def test_w8a8_models_get_the_row_select_op_and_their_row_cost(models):
     assert q.select_kernel is not None and fp.select_kernel is None
     expected = fused_step.AMX_ROW_COST if ext.amx_supported() else fused_step.VNNI_ROW_COST
     assert q.row_cost == expected == fused_step.step_row_cost() and fp.row_cost == DEFAULT_ROW_COST  # tiny: the cap
+    assert q.pass_rows == (fused_step.AMX_PASS_ROWS if ext.amx_supported() else fused_step.VNNI_PASS_ROWS)
+    assert fp.pass_rows is None
     big = nn.Sequential(*[Int8Linear(4096, 4096) for _ in range(16)])  # 268 MB: rows relatively cheaper
     assert fused_step.step_row_cost(big) == pytest.approx(expected * (135e6 / (16 * 4096 * 4096)) ** 0.5)
     logits = step_logits(q, long_ids(ids), 9, fused=True)

@@ -169,6 +169,7 @@ def test_worth_keeping_pays_for_each_row():
     """The kept prefix maximises (1 + sum of probs) / (1 + row_cost * nodes)."""
     tree = DraftTree([1, 2, 3, 4], [-1, 0, -1, 2], [0.9, 0.5, 0.1, 0.01])
     assert tree.worth_keeping(0.0) == 4  # free rows: everything
+    assert tree.worth_keeping(0.0, max_nodes=2) == 2  # but no more than one pass of the weights takes
     assert tree.worth_keeping(0.03) == 3  # 0.01 does not pay for a row at 3%
     assert tree.worth_keeping(0.05) == 2  # nor 0.1 at 5%
     assert tree.worth_keeping(0.3) == 2

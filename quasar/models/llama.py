@@ -247,9 +247,11 @@ class Transformer(nn.Module):
         # Optional fast argmax / top-k of logits rows: (logits [R, V] float32, k) ->
         # (argmax [R], top-k ids [R, k]) with torch.argmax's choice; see row_argmax_topk.
         self.select_kernel = None
-        # Extra time of one more row in a verifier step, as a fraction of a one-row step: what
-        # drafters weigh accepted tokens against (the fused W8A8 step sets its own).
+        # Extra time of one more row in a verifier step, as a fraction of a one-row step, and
+        # the rows a step takes before one more costs a further pass over the weights (None:
+        # no such step): what tree drafts are sized by (the fused W8A8 step sets its own).
         self.row_cost = DEFAULT_ROW_COST
+        self.pass_rows: int | None = None
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight

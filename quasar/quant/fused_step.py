@@ -202,12 +202,29 @@ def step_row_cost(model: nn.Module | None = None) -> float:
     return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(weight_bytes, 1)) ** 0.5))
 
 
+# Rows one pass of the fused step's GEMMs over each weight tile takes: a tdpbusd's 16 rows
+# with AMX (17-32 rows cost a second block: 16 -> 24 rows 1.17x -> 1.47x a one-row step at
+# 1.5B), 6 rows in registers with VNNI (7 rows cost a second pass).
+AMX_PASS_ROWS = 16
+VNNI_PASS_ROWS = 6
+
+
+def step_pass_rows() -> int | None:
+    """Rows a fused W8A8 step takes in one pass over its weights on this CPU (None without it)."""
+    from quasar.quant import ext
+
+    if ext.amx_supported():
+        return AMX_PASS_ROWS
+    return VNNI_PASS_ROWS if ext.small_m_supported() else None
+
+
 def install(model: nn.Module) -> None:
     """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called), its
-    KV cache dtype, the one-pass argmax / top-k of its logits rows and its row cost."""
+    KV cache dtype, the one-pass argmax / top-k of its logits rows, its row cost and pass rows."""
     from quasar.quant import ext
 
     model.step_kernel = FusedW8A8Step(model)
     model.kv_dtype = kv_cache_dtype(model)
     model.select_kernel = ext.row_argmax_topk_op()
     model.row_cost = step_row_cost(model)
+    model.pass_rows = step_pass_rows()

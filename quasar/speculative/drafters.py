@@ -45,15 +45,15 @@ class DraftTree:
             return self
         return DraftTree(self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n])
 
-    def worth_keeping(self, row_cost: float) -> int:
-        """How many of the first nodes to verify: the count m that maximises the expected
-        tokens a step emits, 1 + the sum of the kept nodes' probs, per its cost, 1 + row_cost
-        * m (row_cost: the extra time of one more row, as a fraction of a one-row step). All
-        nodes when there are no probs."""
+    def worth_keeping(self, row_cost: float, max_nodes: int | None = None) -> int:
+        """How many of the first nodes to verify: the count m <= max_nodes that maximises the
+        expected tokens a step emits, 1 + the sum of the kept nodes' probs, per its cost,
+        1 + row_cost * m (row_cost: the extra time of one more row, as a fraction of a one-row
+        step). All nodes when there are no probs."""
         if self.probs is None:
             return len(self)
         best_m, best, gain = 0, 1.0, 1.0
-        for m, p in enumerate(self.probs, start=1):
+        for m, p in enumerate(self.probs[:max_nodes], start=1):
             gain += p
             if gain / (1.0 + row_cost * m) > best + 1e-12:
                 best_m, best = m, gain / (1.0 + row_cost * m)

@@ -188,7 +188,7 @@ class Sequence:
     """
 
     def __init__(self, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions, tokenizer: Tokenizer,
-                 max_seq_len: int, row_cost: float = DEFAULT_ROW_COST):
+                 max_seq_len: int, row_cost: float = DEFAULT_ROW_COST, pass_rows: int | None = None):
         opts.validate()
         if not prompt_ids:
             raise QuasarError("the prompt is empty")
@@ -199,8 +199,9 @@ class Sequence:
         self.stats = Stats(prompt_tokens=len(prompt_ids))
         self.gen = None if opts.sampling.greedy else make_generator(opts.sampling)
         # row_cost: the verifier's extra time per row over a one-row step (Transformer.row_cost);
-        # draft lengths and tree sizes are chosen to pay for their rows at that price.
-        self.row_cost = row_cost
+        # draft lengths and tree sizes are chosen to pay for their rows at that price, and a
+        # tree stays within pass_rows rows (Transformer.pass_rows: more cost another pass).
+        self.row_cost, self.pass_rows = row_cost, pass_rows
         self.adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1),
                                             token_cost=row_cost) \
             if opts.adaptive and opts.num_draft > 0 else None
@@ -238,7 +239,8 @@ class Sequence:
         if max_draft is not None:
             k = min(k, max_draft)
         tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
-        self.tree = tree.limit(tree.worth_keeping(self.row_cost))  # the nodes likely enough to pay for their rows
+        max_nodes = None if self.pass_rows is None else self.pass_rows - 1
+        self.tree = tree.limit(tree.worth_keeping(self.row_cost, max_nodes))  # the nodes worth their rows
         return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
 
     def accept(self, logits: torch.Tensor, best: list[int] | None = None,
