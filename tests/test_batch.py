@@ -168,3 +168,33 @@ def test_concurrent_openai_requests_equal_their_sequential_outputs(llm, step_slo
     assert batched > 1, "the server never decoded two requests in one step"
     assert concurrent == sequential
     assert direct == llm.generate(PROMPTS[5], max_new_tokens=16, raw=True).token_ids
+
+
+def test_spare_rows_go_to_the_likeliest_drafts_batch_wide():
+    """_share_rows keeps the batch at max_rows by giving the spare rows (beyond each
+    sequence's pending token and seeded sampling's fixed drafts) to the likeliest drafts
+    over all sequences: each sequence keeps a prefix of its drafts, likeliest first."""
+    from types import SimpleNamespace
+
+    from quasar.speculative.drafters import DraftTree
+    from quasar.speculative.generate import Sequence
+
+    class Seq:
+        def __init__(self, probs, seeded=False):
+            self.tree = DraftTree(list(range(len(probs))), list(range(-1, len(probs) - 1)), probs)
+            self.gen = object() if seeded else None
+            self.opts = SimpleNamespace(sampling=SimpleNamespace(seed=1 if seeded else None))
+
+        draft_probs, cut_draft, pending = Sequence.draft_probs, Sequence.cut_draft, 0
+
+    batch = object.__new__(BatchDecoder)
+    batch.max_rows = 8
+    seqs = [Seq([0.9, 0.8, 0.7, 0.1]), Seq([0.3, 0.05]), Seq([0.6]), Seq([0.99, 0.9], seeded=True)]
+    active = [(SimpleNamespace(seq=s), [s.pending, *s.tree.tokens], [-1, *range(len(s.tree))]) for s in seqs]
+    out = batch._share_rows(active)
+    # 8 rows - 3 (the seeded sequence's pending token and both drafts) - 3 pending tokens = 2
+    # spare: the 0.9 and 0.8 of the first sequence
+    assert [len(toks) - 1 for _, toks, _ in out] == [2, 0, 0, 2]
+    assert sum(len(toks) for _, toks, _ in out) == 8
+    batch.max_rows = 16  # room for every draft: nothing is cut
+    assert [len(toks) for _, toks, _ in batch._share_rows(active)] == [len(t) for _, t, _ in active]

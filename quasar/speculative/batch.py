@@ -15,7 +15,8 @@ A sequence's tokens are bitwise the same whether it decodes alone or beside othe
 - a verifier step computes each row on its own (quasar.models.rows, "row invariance"), so
   other slots' rows change no bit of a sequence's logits;
 - a batch may shorten the drafts of greedy sequences (their output does not depend on the
-  drafts) but never those of seeded sampling, whose random draws follow its draft lengths.
+  drafts; the rows go to the likeliest drafts batch-wide) but never those of seeded
+  sampling, whose random draws follow its draft lengths.
 """
 
 from __future__ import annotations
@@ -135,9 +136,8 @@ class BatchDecoder:
         cap = self._draft_cap(len(decoding))
         for entry in decoding:
             seq = entry.seq
-            limit = None if (seq.gen is not None and seq.opts.sampling.seed is not None) else cap
             try:
-                rows = seq.next_rows(max_draft=limit)
+                rows = seq.next_rows(max_draft=None if self._fixed_drafts(seq) else cap)
             except Exception as e:
                 out.append(self._fail(entry, e))
                 continue
@@ -145,6 +145,8 @@ class BatchDecoder:
                 out.append(self._finish(entry))
             else:
                 active.append((entry, *rows))
+        if cap is not None:
+            active = self._share_rows(active)
         for group in self._calls(active):
             try:
                 rows, logits = self._verify(group)
@@ -192,11 +194,39 @@ class BatchDecoder:
         self.remove(entry.key)
         return entry.key, entry.seq.result()
 
+    @staticmethod
+    def _fixed_drafts(seq: Sequence) -> bool:
+        """Seeded sampling keeps the drafts it would have alone: its random draws follow them."""
+        return seq.gen is not None and seq.opts.sampling.seed is not None
+
     def _draft_cap(self, n: int) -> int | None:
-        """Most drafts a greedy sequence gets this step, so the batch stays near max_rows."""
+        """Most drafts one sequence may propose this step: twice its even share of the batch's
+        max_rows (proposing costs Python time; most of them would be cut); _share_rows then
+        shares the spare rows out."""
         if self.max_rows is None or n <= 1:
             return None
-        return max(0, self.max_rows // n - 1)
+        return max(0, min(self.max_rows - n, 2 * (self.max_rows // n) - 1))
+
+    def _share_rows(self, active: list) -> list:
+        """Keep the batch near max_rows: of the drafts of the sequences that may be cut, the
+        spare rows go to the likeliest ones batch-wide (each sequence's drafts are ordered
+        likeliest first, so each keeps a prefix), not the same number to each: a sequence
+        copying a long repeat gets several, one whose drafts rarely land none."""
+        spare = self.max_rows - sum(len(toks) for entry, toks, _ in active if self._fixed_drafts(entry.seq))
+        spare -= sum(1 for entry, _, _ in active if not self._fixed_drafts(entry.seq))
+        offers = [(p, i, j) for i, (entry, _, _) in enumerate(active) if not self._fixed_drafts(entry.seq)
+                  for j, p in enumerate(entry.seq.draft_probs())]
+        if len(offers) <= spare:
+            return active
+        keep = [0] * len(active)
+        for _, i, _ in sorted(offers, key=lambda o: (-o[0], o[2], o[1]))[:max(0, spare)]:
+            keep[i] += 1
+        out = []
+        for i, (entry, toks, parents) in enumerate(active):
+            if not self._fixed_drafts(entry.seq) and keep[i] < len(toks) - 1:
+                toks, parents = entry.seq.cut_draft(keep[i])
+            out.append((entry, toks, parents))
+        return out
 
     def _calls(self, active: list) -> list[list]:
         """Split the step's sequences into verifier calls: at most MAX_STEP_ROWS rows each,

@@ -243,6 +243,22 @@ class Sequence:
         self.tree = tree.limit(tree.worth_keeping(self.row_cost, max_nodes))  # the nodes worth their rows
         return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
 
+    def draft_probs(self) -> list[float]:
+        """The step's drafts' estimated chances of being accepted (their paths), in row order,
+        non-increasing: a tree's own, or for a chain a^1, a^2, ... with a the adaptive
+        acceptance rate (0.5 before any evidence)."""
+        tree = self.tree
+        if tree.probs is not None:
+            return list(tree.probs)
+        rate = (self.adaptive.rate if self.adaptive else None) or 0.5
+        return [rate ** (i + 1) for i in range(len(tree))]
+
+    def cut_draft(self, n: int) -> tuple[list[int], list[int]]:
+        """Keep the first n draft nodes of the step in flight (a batch sharing out its rows);
+        returns its rows as `next_rows` does."""
+        self.tree = self.tree.limit(n)
+        return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
+
     def accept(self, logits: torch.Tensor, best: list[int] | None = None,
                top: list[list[int]] | None = None) -> tuple[list[int], Chunk | None]:
         """Judge the step's rows (`logits` [rows, vocab], in `next_rows` order): returns the
