@@ -26,6 +26,7 @@ CALIB = ("The committee met on Tuesday to review the annual budget and the new t
          "def mean(xs):\n    return sum(xs) / len(xs)\n") * 12
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who went out"
 ARCHS = {"llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {}}
+CACHE = 2048  # cache rows of the tests' steps (and the tiny models' context)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def models(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("fused")
     out = {}
     for arch in ARCHS:
-        loaded = load_model(make_tiny_model(root / arch, arch, default_model_dir))
+        loaded = load_model(make_tiny_model(root / arch, arch, default_model_dir, max_position_embeddings=CACHE))
         q = build_w8a8(loaded.model, loaded.tokenizer, calib_text=CALIB, samples=2, seq_len=48, progress=False)
         out[arch] = (loaded.model, q, loaded.tokenizer.encode(PROMPT))
     return out
@@ -46,16 +47,18 @@ def step_logits(model: Transformer, ids: list[int], k: int, fused: bool) -> torc
     if not fused:
         model.step_kernel = None
     try:
-        model.setup_cache(256)
+        model.setup_cache(CACHE)
         model(torch.tensor([ids[:-k]]), logits="none")
         return model(torch.tensor([ids[-k:]]))[0]
     finally:
         model.step_kernel = kernel
 
 
-# 197 tokens: a context of many 16-key chunks, where the rows of a step end in different
-# chunks and the longest row decides how far the shared loops run.
-LONG = 197
+# 1,030 tokens: a context of many 16-key chunks, where the rows of a step end in different
+# chunks and the longest row decides how far the shared loops run, and of three 512-key
+# attention blocks of a bf16 cache (the rows of a 12-row step end on both sides of the
+# block boundary at 1,024, so some are joined from two blocks and some from three).
+LONG = 1030
 
 
 def long_ids(ids: list[int]) -> list[int]:
@@ -108,7 +111,7 @@ def test_row_invariance_of_the_fused_layer(models, k, long):
     if long:
         ids = long_ids(ids)
     together = step_logits(q, ids, k, fused=True)
-    q.setup_cache(256)
+    q.setup_cache(CACHE)
     q(torch.tensor([ids[:-k]]), logits="none")
     alone = torch.cat([q(torch.tensor([[t]]))[0] for t in ids[-k:]])
     assert torch.equal(alone, together)
@@ -215,7 +218,7 @@ def path_of(tokens: list[int], parents: list[int], node: int) -> list[int]:
 
 def prefill(model: Transformer, ids: list[int]) -> None:
     """All but the last token into a fresh cache (the last one is the pending token)."""
-    model.setup_cache(256)
+    model.setup_cache(CACHE)
     model(torch.tensor([ids[:-1]]), logits="none")
 
 
@@ -283,7 +286,7 @@ def test_greedy_tree_decoding_equals_autoregressive(models, default_model_dir, a
 
     _, q, ids = models[arch]
     tokenizer = Tokenizer(default_model_dir)
-    q.setup_cache(256)
+    q.setup_cache(CACHE)
 
     def run(drafter, budget):
         out = [r for r in decode(q, tokenizer, ids, drafter, DecodeOptions(max_new_tokens=48, num_draft=budget))
@@ -297,7 +300,7 @@ def test_greedy_tree_decoding_equals_autoregressive(models, default_model_dir, a
         assert tree.stats.accepted > 0 and tree.stats.steps < ar.stats.steps
 
 
-@pytest.mark.parametrize("arch,long", [("qwen3", False), ("llama", True)])
+@pytest.mark.parametrize("arch,long", [("qwen3", False), ("llama", True), ("qwen3", True)])
 def test_batch_rows_are_bitwise_each_sequence_alone(models, arch, long):
     """One fused step over several cache slots (chains, trees and a bare pending token, of
     different lengths) gives each row bitwise the logits of its own sequence decoded alone,
@@ -309,7 +312,7 @@ def test_batch_rows_are_bitwise_each_sequence_alone(models, arch, long):
     trees = [random_tree(5, 5, 1000 + i) for i in range(4)]
     trees[1] = ([], [])  # a sequence without drafts
     trees[2] = ([41, 42, 43], [-1, 0, 1])  # a chain
-    q.setup_cache(256, n_slots=len(prompts))
+    q.setup_cache(CACHE, n_slots=len(prompts))
     for slot, p in enumerate(prompts):
         q(torch.tensor([p[:-1]]), logits="none", slot=slot)
     tokens, slots, parents = [], [], []
@@ -378,7 +381,7 @@ def test_prompt_chunks_attend_with_tiles_close_to_the_step_kernel(models, head_d
     head, chunk = ids[:70], ids[70:190]  # a second chunk attends to 70 cached keys, then to its own
 
     def prefill_logits(prefill: bool):
-        q.setup_cache(256)
+        q.setup_cache(CACHE)
         q._run_rows(Rows.chain(head, 0, q.cache.lengths), modules=False, prefill=prefill)
         q.cache.lengths[0] = len(head)
         x = q._run_rows(Rows.chain(chunk, 0, q.cache.lengths), modules=False, prefill=prefill)

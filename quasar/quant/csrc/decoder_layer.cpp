@@ -61,6 +61,13 @@ constexpr int64_t kMaxRows = 128;
 // streams (and for a bf16 cache transposes) its kv head's keys once: 32 made a 5.3k-token
 // prefill 1.2x faster than 16; 64 was no better.
 constexpr int64_t kMaxGroupQueries = 32;
+// Keys per attention block of a bfloat16-cache step: a long context's keys are split into
+// blocks at fixed key indices, each block one work item for every query of its kv head,
+// and the blocks' partial results are joined per query (combine_blocks). Why: splitting a
+// kv head's queries between threads made each thread stream and transpose all its keys (at
+// 5.3k keys a one-token step spent 15 ms in attention on 2 threads, 17 ms on one).
+// Contexts up to one block are computed exactly as before.
+constexpr int64_t kBlockKeys = 512;
 
 #ifdef QUASAR_LAYER_KERNEL
 
@@ -323,6 +330,16 @@ QUASAR_BF16 inline __m512i load_row(const uint16_t* row, int b) {
   return row ? _mm512_loadu_si512(row + 32 * b) : _mm512_setzero_si512();
 }
 
+// A query's 16 scores (scale times the sum of its four product chains) into `out`, its lanes
+// of `vmax` raised to them (the first cnt keys).
+QUASAR_BF16 inline void store_scores(float* out, float* vmax, int64_t cnt, float scale, __m512 a0, __m512 a1,
+                                     __m512 a2, __m512 a3) {
+  const __mmask16 m = tail_mask(cnt);
+  const __m512 sc = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_set1_ps(scale));
+  _mm512_mask_storeu_ps(out, m, sc);
+  _mm512_store_ps(vmax, _mm512_mask_max_ps(_mm512_load_ps(vmax), m, _mm512_load_ps(vmax), sc));
+}
+
 // kt[16b + c] = bf16 pair (32b + 2c, 32b + 2c + 1) of key rows[0..15] (nullptr: zeros).
 template <int C>
 QUASAR_BF16 inline void load_kt(const uint16_t* const* rows, __m512i* kt) {
@@ -357,17 +374,27 @@ QUASAR_BF16 inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
 
 // attend_group over a bf16 cache (k, v [S, 16C] bf16 rows). Scratch: `scores` nq * stride
 // floats and `probs` nq * stride bf16 (stride a multiple of 16, >= max n), `acc` nq * 32C.
+// Over a block of keys [lo, hi) (multiples of 16; query i's keys in it: [lo, min(n_i, hi))),
+// a query whose keys all lie in the block gets its output in outs[i]; one with keys in
+// several blocks (parts[i] not null) gets its block's partial result in parts[i]: the
+// unnormalised output (16C floats), the block's score max and its exp-sum, which
+// combine_blocks joins. A query with no keys in the block is skipped.
 template <int C, bool Paths>
 QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, const KeyMap& keys,
-                                   float* const* outs, int64_t nq, const uint16_t* k, const uint16_t* v,
-                                   float scale, float* scores, uint16_t* probs, int64_t stride, float* acc) {
+                                   float* const* outs, float* const* parts, int64_t nq, int64_t lo, int64_t hi,
+                                   const uint16_t* k, const uint16_t* v, float scale, float* scores,
+                                   uint16_t* probs, int64_t stride, float* acc) {
   static_assert(C % 2 == 0, "bf16 attention needs head_dim % 32 == 0");
   constexpr int64_t d = 16 * C, np = 8 * C;  // floats, bf16 pairs of a head vector
-  int64_t n_max = 0, shared_until = std::numeric_limits<int64_t>::max();
+  // this block's end for each query, and the end of the block's keys over all of them
+  int64_t ends[kMaxGroupQueries];
+  int64_t n_max = lo, shared_until = std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < nq; ++i) {
-    n_max = std::max(n_max, ns[i]);
+    ends[i] = std::min(ns[i], hi);
+    n_max = std::max(n_max, ends[i]);
     if constexpr (Paths) shared_until = std::min(shared_until, keys.splits[i]);
   }
+  ns = ends;
   alignas(64) uint16_t qb[kMaxGroupQueries * d];
   for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
   alignas(64) float vmax[kMaxGroupQueries * 16];
@@ -385,7 +412,7 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
     for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? base + (j0 + jj) * d : nullptr;
   };
   alignas(64) __m512i kt[np];
-  for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
+  for (int64_t j0 = lo; j0 < n_max; j0 += 16) {
     const bool one = shared(j0);
     if (one) {
       shared_rows(k, j0);
@@ -406,34 +433,32 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
         a2 = dp_bf16(a2, kt[p + 2], qp[p + 2]);
         a3 = dp_bf16(a3, kt[p + 3], qp[p + 3]);
       }
-      const __mmask16 m = tail_mask(cnt);
-      const __m512 sc = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                                      _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + i * stride + j0, m, sc);
-      _mm512_store_ps(vmax + 16 * i, _mm512_mask_max_ps(_mm512_load_ps(vmax + 16 * i), m,
-                                                        _mm512_load_ps(vmax + 16 * i), sc));
+      store_scores(scores + i * stride + (j0 - lo), vmax + 16 * i, cnt, scale, a0, a1, a2, a3);
     }
   }
   // softmax numerators (float32 for the sum, bf16 for the products; zeros past n to the
   // end of the last chunk), 1 / their sum per query
-  alignas(64) float inv[kMaxGroupQueries];
+  alignas(64) float inv[kMaxGroupQueries], mx[kMaxGroupQueries], sum[kMaxGroupQueries];
   for (int64_t i = 0; i < nq; ++i) {
+    if (ns[i] <= lo) continue;
     const float* s = scores + i * stride;
     uint16_t* pb = probs + i * stride;
-    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(vmax + 16 * i)));
+    mx[i] = _mm512_reduce_max_ps(_mm512_load_ps(vmax + 16 * i));
+    const __m512 vmx = _mm512_set1_ps(mx[i]);
     __m512 vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < ns[i]; j += 16) {
-      const __mmask16 m = tail_mask(ns[i] - j);
+    for (int64_t j = 0; j < ns[i] - lo; j += 16) {
+      const __mmask16 m = tail_mask(ns[i] - lo - j);
       const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), vmx)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
       vsum = _mm512_add_ps(vsum, e);
     }
-    inv[i] = 1.0f / _mm512_reduce_add_ps(vsum);
+    sum[i] = _mm512_reduce_add_ps(vsum);
+    inv[i] = 1.0f / sum[i];
   }
   // out = sum_j p_j v_j, key pairs alternately into two accumulators (independent chains)
   std::fill_n(acc, nq * 2 * d, 0.0f);
   alignas(64) __m512i vt[8 * C];
-  for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
+  for (int64_t j0 = lo; j0 < n_max; j0 += 16) {
     const bool one = shared(j0);
     if (one) {
       shared_rows(v, j0);
@@ -452,7 +477,7 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
         a0[c] = _mm512_loadu_ps(ai + 16 * c);
         a1[c] = _mm512_loadu_ps(ai + d + 16 * c);
       }
-      const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + i * stride + j0);
+      const uint32_t* pp = reinterpret_cast<const uint32_t*>(probs + i * stride + (j0 - lo));
       const int64_t pairs = (cnt + 1) / 2;
       int64_t jp = 0;
       for (; jp + 2 <= pairs; jp += 2)
@@ -469,20 +494,50 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
     }
   }
   for (int64_t i = 0; i < nq; ++i) {
+    if (ns[i] <= lo) continue;
     const float* ai = acc + i * 2 * d;
+    float* const o = parts[i] ? parts[i] : outs[i];
     alignas(64) float lanes[16];
     for (int c = 0; c < C; ++c) {  // vector c = 2b + h: lane 4g + e is dim 32b + 8g + 4h + e
-      _mm512_store_ps(lanes, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(ai + 16 * c),
-                                                         _mm512_loadu_ps(ai + d + 16 * c)),
-                                           _mm512_set1_ps(inv[i])));
+      const __m512 a = _mm512_add_ps(_mm512_loadu_ps(ai + 16 * c), _mm512_loadu_ps(ai + d + 16 * c));
+      _mm512_store_ps(lanes, parts[i] ? a : _mm512_mul_ps(a, _mm512_set1_ps(inv[i])));
       const int64_t base = 32 * (c / 2) + 4 * (c % 2);
-      for (int l = 0; l < 16; ++l) outs[i][base + 8 * (l / 4) + l % 4] = lanes[l];
+      for (int l = 0; l < 16; ++l) o[base + 8 * (l / 4) + l % 4] = lanes[l];
+    }
+    if (parts[i]) {
+      parts[i][d] = mx[i];
+      parts[i][d + 1] = sum[i];
     }
   }
 }
 
-using AttendBf16Fn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, int64_t,
-                              const uint16_t*, const uint16_t*, float, float*, uint16_t*, int64_t, float*);
+// A query's output from its blocks' partial results (attend_group_bf16; nb blocks of d + 2
+// floats at `parts`, in key order): with M the largest block max and w_b = exp(m_b - M),
+// out = sum_b w_b o_b / sum_b w_b s_b, summed in block order. Depends only on the query's
+// own blocks, whose bounds are fixed by key index: grouping still never changes a bit.
+QUASAR_AVX512 void combine_blocks(const float* parts, int64_t nb, int64_t d, float* out) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < nb; ++b) m = std::max(m, parts[b * (d + 2) + d]);
+  alignas(64) float w[16];
+  float total = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    _mm512_store_ps(w, exp512(_mm512_set1_ps(parts[b * (d + 2) + d] - m)));
+    total += w[0] * parts[b * (d + 2) + d + 1];
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* pb = parts + b * (d + 2);
+      a = _mm512_fmadd_ps(exp512(_mm512_set1_ps(pb[d] - m)), _mm512_loadu_ps(pb + c), a);
+    }
+    _mm512_storeu_ps(out + c, _mm512_mul_ps(a, inv));
+  }
+}
+
+using AttendBf16Fn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, float* const*,
+                              int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, float, float*, uint16_t*,
+                              int64_t, float*);
 
 template <bool Paths>
 AttendBf16Fn attend_bf16_for(int64_t d) {
@@ -907,6 +962,9 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   std::vector<uint8_t> operands_raw(attend_prefill ? 64 * (n_kv_heads * (kt_rows + vt_rows) + 1) : 0);
   __m512i* const operands =
       reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(operands_raw.data()) + 63) & ~uintptr_t{63});
+  const bool prefill_tiles = attend_prefill != nullptr;
+#else
+  const bool prefill_tiles = false;
 #endif
   const float* cs = float_data(cos, T * D, "cos");
   const float* sn = float_data(sin, T * D, "sin");
@@ -914,20 +972,35 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   const int64_t nq = n_heads * D, nkv = n_kv_heads * D, nqkv = nq + 2 * nkv;
   const int64_t group = n_heads / n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // Attention work items: the query vectors (rows x heads) of one slot's kv head, cut into
-  // pieces of at most kMaxGroupQueries so every thread gets some; each item streams its kv
-  // head's cache once. How queries are grouped never changes their results.
-  struct Item { int64_t first, slot, kv, q0, q1; };
+  // Attention work items: the query vectors (rows x heads) of one slot's kv head over one
+  // block of its keys (a bf16 cache's steps; otherwise all keys are one block), the queries
+  // cut into pieces of at most kMaxGroupQueries, and further while there are fewer blocks
+  // than two per thread; each item streams its block of the kv head's cache once. How
+  // queries are grouped never changes their results.
+  const bool blocked = bf16 && !prefill_tiles;
+  const auto n_blocks = [&](int64_t n) { return blocked ? (n + kBlockKeys - 1) / kBlockKeys : int64_t{1}; };
+  struct Item { int64_t first, slot, kv, q0, q1, block; };
   std::vector<Item> items;
-  const int64_t n_groups = static_cast<int64_t>(groups.size());
-  const int64_t min_parts = (2 * at::get_num_threads() + n_kv_heads * n_groups - 1) / (n_kv_heads * n_groups);
+  std::vector<int64_t> group_blocks;
+  int64_t units = 0;
   for (const auto& [first, end] : groups) {
+    group_blocks.push_back(n_blocks(*std::max_element(n_keys.begin() + first, n_keys.begin() + end)));
+    units += n_kv_heads * group_blocks.back();
+  }
+  const int64_t min_parts = (2 * at::get_num_threads() + units - 1) / units;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto [first, end] = groups[g];
     const int64_t per_kv = group * (end - first);
     const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries, min_parts));
     for (int64_t kv = 0; kv < n_kv_heads; ++kv)
-      for (int64_t part = 0; part < parts; ++part)
-        items.push_back({first, slots[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts});
+      for (int64_t b = 0; b < group_blocks[g]; ++b)
+        for (int64_t part = 0; part < parts; ++part)
+          items.push_back({first, slots[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts, b});
   }
+  // The blocks' partial results (d + 2 floats each, combine_blocks) of queries with more
+  // than one block: [row, head, block].
+  const int64_t most_blocks = n_blocks(max_keys), part_size = D + 2;
+  std::vector<float> partials(most_blocks > 1 ? T * n_heads * most_blocks * part_size : 0);
 
   // Per layer: its norm weights and its four GEMMs (q, k, v together; gate and up together),
   // all checked here, before the parallel region (nothing in it may throw).
@@ -1050,13 +1123,16 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
       for (int64_t i = next_item[l]++; i < n_items; i = next_item[l]++) {
         const Item& it = items[i];
         const float* qp[kMaxGroupQueries];
-        float* op[kMaxGroupQueries];
+        float *op[kMaxGroupQueries], *pp[kMaxGroupQueries];
         int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
         const int64_t* tl[kMaxGroupQueries];
         for (int64_t qi = it.q0; qi < it.q1; ++qi) {
           const int64_t t = it.first + qi / group, hd = it.kv * group + qi % group;
           qp[qi - it.q0] = proj.data() + t * nqkv + hd * D;
           op[qi - it.q0] = attn.data() + t * nq + hd * D;
+          pp[qi - it.q0] = n_blocks(n_keys[t]) > 1
+                               ? partials.data() + ((t * n_heads + hd) * most_blocks + it.block) * part_size
+                               : nullptr;
           ns[qi - it.q0] = n_keys[t];
           sp[qi - it.q0] = split[t];
           tl[qi - it.q0] = tails[t];
@@ -1071,13 +1147,22 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
         }
 #endif
         if (bf16)
-          attend_bf16(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_b16 + head, v_b16 + head, scale, scores.data(),
+          attend_bf16(qp, ns, KeyMap{sp, tl}, op, pp, it.q1 - it.q0, it.block * kBlockKeys,
+                      (it.block + 1) * kBlockKeys, k_b16 + head, v_b16 + head, scale, scores.data(),
                       probs.data(), stride, acc.data());
         else
           attend(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_f32 + head, v_f32 + head, scale, scores.data(),
                  stride, acc.data());
       }
 #pragma omp barrier
+      if (most_blocks > 1)  // this thread's rows: join the blocks of queries that have several
+        for (int64_t t = r0; t < r1; ++t) {
+          const int64_t nb = n_blocks(n_keys[t]);
+          if (nb > 1)
+            for (int64_t hd = 0; hd < n_heads; ++hd)
+              combine_blocks(partials.data() + (t * n_heads + hd) * most_blocks * part_size, nb, D,
+                             attn.data() + t * nq + hd * D);
+        }
       quantize(attn.data(), nq, p.bits_o);
 #pragma omp barrier
       run_gemm(lg[1]);
