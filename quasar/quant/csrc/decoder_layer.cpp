@@ -585,36 +585,82 @@ QUASAR_AMXBF16 void attn_tiles(int64_t rows) {
 // Output dims [16 g0, 16 (g0 + NC)) of a query block: probs [rows, 32 keys] tiles against
 // V pair tiles (vt: per 32-key chunk, 16 rows of key pairs, C vectors of 64 bytes each);
 // sums stored as [rows, 64] floats at `out` (vector c at column 16 c).
+// Accumulators 0..NC-1 += the numerators of one 32-key chunk (tile 4: `a`, rows `lda` bytes
+// apart) x its V pair tiles (w: the chunk's vectors from column group g0 on).
 template <int C, int NC>
-QUASAR_AMXBF16 inline void prefill_pv(const uint16_t* probs, int64_t stride, const __m512i* vt, int64_t g0,
-                                      int64_t chunks, float* out) {
+QUASAR_AMXBF16 inline void pv_chunk(const uint16_t* a, int64_t lda, const __m512i* w) {
   constexpr int64_t kRow = C * 64;  // bytes from one key pair's row of a vt chunk to the next
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, w, kRow);
+  _tile_dpbf16ps(0, 4, 5);
+  if constexpr (NC > 1) {
+    _tile_loadd(6, w + 1, kRow);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  if constexpr (NC > 2) {
+    _tile_loadd(5, w + 2, kRow);
+    _tile_dpbf16ps(2, 4, 5);
+  }
+  if constexpr (NC > 3) {
+    _tile_loadd(6, w + 3, kRow);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+}
+
+template <int NC>
+QUASAR_AMXBF16 inline void zero_accumulators() {
   _tile_zero(0);
   if constexpr (NC > 1) _tile_zero(1);
   if constexpr (NC > 2) _tile_zero(2);
   if constexpr (NC > 3) _tile_zero(3);
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const __m512i* w = vt + ch * 16 * C + g0;
-    _tile_loadd(4, probs + ch * 32, stride * 2);
-    _tile_loadd(5, w, kRow);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NC > 1) {
-      _tile_loadd(6, w + 1, kRow);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if constexpr (NC > 2) {
-      _tile_loadd(5, w + 2, kRow);
-      _tile_dpbf16ps(2, 4, 5);
-    }
-    if constexpr (NC > 3) {
-      _tile_loadd(6, w + 3, kRow);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-  }
+}
+
+// Accumulators 0..NC-1 to [rows, 64] floats at `out` (tile c at column 16 c).
+template <int NC>
+QUASAR_AMXBF16 inline void store_accumulators(float* out) {
   _tile_stored(0, out, 256);
   if constexpr (NC > 1) _tile_stored(1, out + 16, 256);
   if constexpr (NC > 2) _tile_stored(2, out + 32, 256);
   if constexpr (NC > 3) _tile_stored(3, out + 48, 256);
+}
+
+template <int C, int NC>
+QUASAR_AMXBF16 inline void prefill_pv(const uint16_t* probs, int64_t stride, const __m512i* vt, int64_t g0,
+                                      int64_t chunks, float* out) {
+  zero_accumulators<NC>();
+  for (int64_t ch = 0; ch < chunks; ++ch) pv_chunk<C, NC>(probs + ch * 32, stride * 2, vt + ch * 16 * C + g0);
+  store_accumulators<NC>(out);
+}
+
+// Tile 0 = the query tiles (1 .. C/2, 32 dims each) x one 16-key chunk's K^T (kt: C/2 B
+// tiles of 16 pair rows).
+template <int C>
+QUASAR_AMXBF16 inline void scores_tile(const __m512i* kt) {
+  _tile_zero(0);
+  _tile_loadd(5, kt, 64);
+  _tile_dpbf16ps(0, 1, 5);
+  if constexpr (C > 2) {
+    _tile_loadd(6, kt + 16, 64);
+    _tile_dpbf16ps(0, 2, 6);
+  }
+  if constexpr (C > 4) {
+    _tile_loadd(5, kt + 32, 64);
+    _tile_dpbf16ps(0, 3, 5);
+  }
+  if constexpr (C > 6) {
+    _tile_loadd(6, kt + 48, 64);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+}
+
+// Query tiles 1 .. C/2 from `nq` bf16 query rows of 16C dims.
+template <int C>
+QUASAR_AMXBF16 inline void load_queries(const uint16_t* qb) {
+  constexpr int64_t ld = 32 * C;  // bytes per query row
+  _tile_loadd(1, qb, ld);
+  if constexpr (C > 2) _tile_loadd(2, qb + 32, ld);
+  if constexpr (C > 4) _tile_loadd(3, qb + 64, ld);
+  if constexpr (C > 6) _tile_loadd(4, qb + 96, ld);
 }
 
 // The tiles' operands from a kv head's cache rows (k, v [S, 16C] bf16): K^T of 16-key
@@ -652,11 +698,7 @@ QUASAR_AMXBF16 void attend_prefill_amx(const float* const* qs, const int64_t* ns
     attn_tiles(mb);
     // scores of the block's queries, 16 keys at a time (unscaled; keys past a query's n are
     // computed and never read)
-    const uint16_t* qrow = qb + q0 * d;
-    _tile_loadd(1, qrow, d * 2);
-    if constexpr (C > 2) _tile_loadd(2, qrow + 32, d * 2);
-    if constexpr (C > 4) _tile_loadd(3, qrow + 64, d * 2);
-    if constexpr (C > 6) _tile_loadd(4, qrow + 96, d * 2);
+    load_queries<C>(qb + q0 * d);
     const int64_t chunks = (n_block + 15) / 16;
     int64_t ch = 0;
     if constexpr (C <= 4) {  // two chunks at a time: independent sums in tiles 0 and 7
@@ -680,22 +722,7 @@ QUASAR_AMXBF16 void attend_prefill_amx(const float* const* qs, const int64_t* ns
       }
     }
     for (; ch < chunks; ++ch) {
-      const __m512i* t = kt + ch * np;
-      _tile_zero(0);
-      _tile_loadd(5, t, 64);
-      _tile_dpbf16ps(0, 1, 5);
-      if constexpr (C > 2) {
-        _tile_loadd(6, t + 16, 64);
-        _tile_dpbf16ps(0, 2, 6);
-      }
-      if constexpr (C > 4) {
-        _tile_loadd(5, t + 32, 64);
-        _tile_dpbf16ps(0, 3, 5);
-      }
-      if constexpr (C > 6) {
-        _tile_loadd(6, t + 48, 64);
-        _tile_dpbf16ps(0, 4, 6);
-      }
+      scores_tile<C>(kt + ch * np);
       _tile_stored(0, scores + q0 * stride + 16 * ch, stride * 4);
     }
     // softmax numerators as bf16 (zeros from n_i to the block's last 32-key chunk), and
@@ -744,6 +771,186 @@ QUASAR_AMXBF16 void attend_prefill_amx(const float* const* qs, const int64_t* ns
     }
   }
   _tile_release();
+}
+
+// ------------------------------------------ verifier-step attention with AMX-BF16 tiles
+// attend_group_bf16's contract (one block of keys [lo, hi), outputs or block partials) with
+// the products in tiles: scores 16 queries x 16 keys x 32 dims and outputs 16 queries x 32
+// keys x 16 dims a tdpbf16ps, where the vector kernel spends a vdpbf16ps per query per 32
+// products. On an AMX CPU every verifier step takes it (one row or many, chains, trees and
+// batches), so row invariance holds among steps: each score and each output sum of a
+// query is computed from its own q row, its own keys (tiles' rows and columns never mix)
+// and its own numerators, in chunks fixed by key index. Where queries share keys (their
+// slot's committed cache, any chain) the chunk's operands are built once for all; a tree
+// row's keys past the shared part get operands of their own, multiplied with that query's
+// row alone (its scores read from its row of the tile, its numerators in an otherwise zero
+// tile, so the other rows' sums are unchanged). Not bitwise the vector kernel (another
+// summation order): the verifier of an AMX CPU is its own. `ops`: scratch for one block's
+// operands, 2 * kBlockKeys / 16 * 8C vectors, 64-byte aligned.
+template <int C, bool Paths>
+QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, const KeyMap& keys,
+                                     float* const* outs, float* const* parts, int64_t nq, int64_t lo, int64_t hi,
+                                     const uint16_t* k, const uint16_t* v, float scale, float* scores,
+                                     uint16_t* probs, int64_t stride, float* acc, __m512i* ops) {
+  static_assert(C % 2 == 0 && C <= 8, "AMX attention: head_dim 32, 64, 96 or 128");
+  constexpr int64_t d = 16 * C, np = 8 * C;
+  int64_t ends[kMaxGroupQueries];
+  int64_t n_max = lo, shared_until = std::numeric_limits<int64_t>::max();
+  for (int64_t i = 0; i < nq; ++i) {
+    ends[i] = std::min(ns[i], hi);
+    n_max = std::max(n_max, ends[i]);
+    if constexpr (Paths) shared_until = std::min(shared_until, keys.splits[i]);
+  }
+  const auto shared = [&](int64_t j0, int64_t len) { return !Paths || j0 + len <= shared_until; };
+  // the shared chunks' operands, 16 keys a unit (prefill_operands' layout), to the end of
+  // the last 32-key chunk (zeros past the step's keys)
+  __m512i* const kt = ops;
+  __m512i* const vt = ops + kBlockKeys / 16 * np;
+  const uint16_t* rows[16];
+  for (int64_t j0 = lo; j0 < lo + (n_max - lo + 31) / 32 * 32; j0 += 16) {
+    if (!shared(j0, 16)) break;
+    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? k + (j0 + jj) * d : nullptr;
+    load_kt<C>(rows, kt + (j0 - lo) / 16 * np);
+    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? v + (j0 + jj) * d : nullptr;
+    load_vt<C>(rows, vt + (j0 - lo) / 16 * np);
+  }
+  // query i's own rows of keys [j0, j0 + 16) (base k or v; zeros from its end on)
+  const auto own_rows = [&](const uint16_t* base, int64_t i, int64_t j0) {
+    for (int64_t jj = 0; jj < 16; ++jj)
+      rows[jj] = j0 + jj < ends[i] ? base + key_row<Paths>(keys, i, j0 + jj) * d : nullptr;
+  };
+  alignas(64) uint16_t qb[kMaxGroupQueries * d];
+  for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
+  alignas(64) __m512i own[16 * C];     // one query's operands of a 16-key (K^T) or 32-key (V) chunk
+  alignas(64) float own_scores[16 * 16];
+  alignas(64) uint16_t own_probs[16 * 32];
+  alignas(64) float mx[kMaxGroupQueries], sum[kMaxGroupQueries];
+  for (int64_t q0 = 0; q0 < nq; q0 += 16) {
+    const int64_t mb = std::min<int64_t>(16, nq - q0);
+    int64_t end = lo;  // of this block of queries' keys
+    for (int64_t i = q0; i < q0 + mb; ++i) end = std::max(end, ends[i]);
+    if (end == lo) continue;
+    attn_tiles(mb);
+    load_queries<C>(qb + q0 * d);
+    // unscaled scores
+    for (int64_t j0 = lo; j0 < end; j0 += 16) {
+      if (shared(j0, 16)) {
+        scores_tile<C>(kt + (j0 - lo) / 16 * np);
+        _tile_stored(0, scores + q0 * stride + (j0 - lo), stride * 4);
+        continue;
+      }
+      for (int64_t r = 0; r < mb; ++r) {
+        const int64_t i = q0 + r;
+        if (ends[i] <= j0) continue;
+        own_rows(k, i, j0);
+        load_kt<C>(rows, own);
+        scores_tile<C>(own);
+        _tile_stored(0, own_scores, 64);
+        std::copy_n(own_scores + 16 * r, 16, scores + i * stride + (j0 - lo));
+      }
+    }
+    // softmax numerators as bf16 (zeros from a query's end to the last 32-key chunk) and
+    // their float32 sum
+    const int64_t end32 = (end - lo + 31) / 32 * 32;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t i = q0; i < q0 + mb; ++i) {
+      const int64_t n = ends[i] - lo;
+      if (n <= 0) continue;
+      float* srow = scores + i * stride;
+      uint16_t* pb = probs + i * stride;
+      __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = tail_mask(n - j);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, srow + j), sc);
+        _mm512_mask_storeu_ps(srow + j, m, x);
+        vmx = _mm512_mask_max_ps(vmx, m, vmx, x);
+      }
+      mx[i] = _mm512_reduce_max_ps(vmx);
+      const __m512 vm = _mm512_set1_ps(mx[i]);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < end32; j += 16) {
+        __m512 e = _mm512_setzero_ps();
+        if (j < n) {
+          const __mmask16 m = tail_mask(n - j);
+          e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, srow + j), vm)));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      sum[i] = _mm512_reduce_add_ps(vsum);
+    }
+    // outputs, 16 dims per accumulator tile (4 at a time)
+    for (int64_t g0 = 0; g0 < C; g0 += 4) {
+      // the chunks shared by the queries (a prefix), then per query the chunks past its
+      // shared keys: each query's rows of the accumulators still take its chunks in key
+      // order, as in a one-query step where all of them are shared
+      const int64_t chunks = end32 / 32;
+      int64_t first_own = 0;
+      while (first_own < chunks && shared(lo + 32 * first_own, 32)) ++first_own;
+      if (C - g0 >= 4) {
+        zero_accumulators<4>();
+        for (int64_t c = 0; c < first_own; ++c)
+          pv_chunk<C, 4>(probs + q0 * stride + 32 * c, stride * 2, vt + 2 * c * np + g0);
+      } else {
+        zero_accumulators<2>();
+        for (int64_t c = 0; c < first_own; ++c)
+          pv_chunk<C, 2>(probs + q0 * stride + 32 * c, stride * 2, vt + 2 * c * np + g0);
+      }
+      for (int64_t c = first_own; c < chunks; ++c) {
+        const int64_t j0 = lo + 32 * c;
+        for (int64_t r = 0; r < mb; ++r) {
+          const int64_t i = q0 + r;
+          if (ends[i] <= j0) continue;
+          own_rows(v, i, j0);
+          load_vt<C>(rows, own);
+          own_rows(v, i, j0 + 16);
+          load_vt<C>(rows, own + np);
+          std::fill_n(own_probs, 32 * mb, uint16_t{0});
+          std::copy_n(probs + i * stride + 32 * c, 32, own_probs + 32 * r);
+          if (C - g0 >= 4)
+            pv_chunk<C, 4>(own_probs, 64, own + g0);
+          else
+            pv_chunk<C, 2>(own_probs, 64, own + g0);
+        }
+      }
+      if (C - g0 >= 4)
+        store_accumulators<4>(acc);
+      else
+        store_accumulators<2>(acc);
+      for (int64_t r = 0; r < mb; ++r) {
+        const int64_t i = q0 + r;
+        if (ends[i] <= lo) continue;
+        float* const o = parts[i] ? parts[i] : outs[i];
+        const float w = parts[i] ? 1.0f : 1.0f / sum[i];
+        for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c) {
+          const float* lanes = acc + r * 64 + (c - g0) * 16;
+          const int64_t base = 32 * (c / 2) + 4 * (c % 2);  // lane 4g + e is dim 32b + 8g + 4h + e
+          for (int l = 0; l < 16; ++l) o[base + 8 * (l / 4) + l % 4] = parts[i] ? lanes[l] : lanes[l] * w;
+        }
+      }
+    }
+    for (int64_t i = q0; i < q0 + mb; ++i)
+      if (ends[i] > lo && parts[i]) {
+        parts[i][d] = mx[i];
+        parts[i][d + 1] = sum[i];
+      }
+  }
+  _tile_release();
+}
+
+using AttendAmxFn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, float* const*,
+                             int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, float, float*, uint16_t*,
+                             int64_t, float*, __m512i*);
+
+template <bool Paths>
+AttendAmxFn attend_amx_for(int64_t d) {
+  switch (d) {
+    case 32: return attend_group_amx<2, Paths>;
+    case 64: return attend_group_amx<4, Paths>;
+    case 96: return attend_group_amx<6, Paths>;
+    case 128: return attend_group_amx<8, Paths>;
+    default: return nullptr;
+  }
 }
 
 using AttendPrefillFn = void (*)(const float* const*, const int64_t*, float* const*, int64_t, const __m512i*,
@@ -944,6 +1151,12 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   // A batch of chains keeps the plain kernel (no key lookups at all).
   const AttendFn attend = is_chain ? attend_for<false>(D) : attend_for<true>(D);
   const AttendBf16Fn attend_bf16 = is_chain ? attend_bf16_for<false>(D) : attend_bf16_for<true>(D);
+  // An AMX-BF16 CPU's steps attend with tiles (attend_group_amx), all of them.
+#ifdef QUASAR_AMX_ATTENTION
+  const AttendAmxFn attend_amx = bf16 && amx_bf16_supported()
+                                     ? (is_chain ? attend_amx_for<false>(D) : attend_amx_for<true>(D))
+                                     : nullptr;
+#endif
   TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
   TORCH_CHECK(!bf16 || attend_bf16 != nullptr,
               "w8a8_decoder_layers: a bfloat16 cache needs head_dim 32, 64, 96, 128 or 256");
@@ -1079,6 +1292,12 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
     };
     std::vector<float> scores(kMaxGroupQueries * stride), acc(kMaxGroupQueries * 2 * D);
     std::vector<uint16_t> probs(bf16 ? kMaxGroupQueries * stride : 0);
+#ifdef QUASAR_AMX_ATTENTION
+    // attend_group_amx's operands of one block, 64-byte aligned by hand
+    std::vector<uint8_t> amx_raw(attend_amx ? 64 * (2 * kBlockKeys / 16 * D / 2 + 1) : 0);
+    __m512i* const amx_ops =
+        reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(amx_raw.data()) + 63) & ~uintptr_t{63});
+#endif
 
     for (int64_t l = 0; l < L; ++l) {
       const LayerPlan& p = plan[l];
@@ -1143,6 +1362,13 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
           const __m512i* kt = operands + it.kv * (kt_rows + vt_rows);
           attend_prefill(qp, ns, op, it.q1 - it.q0, kt, kt + kt_rows, scale, scores.data(), probs.data(), stride,
                          acc.data());
+          continue;
+        }
+#endif
+#ifdef QUASAR_AMX_ATTENTION
+        if (attend_amx) {
+          attend_amx(qp, ns, KeyMap{sp, tl}, op, pp, it.q1 - it.q0, it.block * kBlockKeys, (it.block + 1) * kBlockKeys,
+                     k_b16 + head, v_b16 + head, scale, scores.data(), probs.data(), stride, acc.data(), amx_ops);
           continue;
         }
 #endif
