@@ -94,6 +94,22 @@ QUASAR_AVX512 inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 2^x for x <= 0 with ~3e-6 relative error: 2^n * p(f), n = round(x), |f| <= 1/2, p the
+// degree-5 Taylor polynomial of 2^f; very negative x gives 0. For softmax numerators that
+// are rounded to bfloat16 (relative step 2^-8) anyway: 9 instructions against exp512's 16.
+QUASAR_AVX512 inline __m512 exp2_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // (ln 2)^k / k!, k = 5 .. 0
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 QUASAR_AVX512 inline float dot(const float* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < n; d += 16) {
@@ -585,6 +601,34 @@ QUASAR_AMXBF16 void attn_tiles(int64_t rows) {
 // Output dims [16 g0, 16 (g0 + NC)) of a query block: probs [rows, 32 keys] tiles against
 // V pair tiles (vt: per 32-key chunk, 16 rows of key pairs, C vectors of 64 bytes each);
 // sums stored as [rows, 64] floats at `out` (vector c at column 16 c).
+// The softmax of the tile kernels, one query: its n unscaled scores s (a tile row) to bf16
+// numerators exp(scale (s_j - max)) at pb, zeros from n to `end` (a multiple of 16); returns
+// the scaled max and sets `sum` to the numerators' float32 sum. Scaling inside the exponent
+// (one FMA into exp2) spares a pass that scaled and stored every score.
+QUASAR_BF16 inline float softmax_numerators(const float* s, int64_t n, int64_t end, float scale, uint16_t* pb,
+                                            float& sum) {
+  __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = tail_mask(n - j);
+    vmx = _mm512_mask_max_ps(vmx, m, vmx, _mm512_maskz_loadu_ps(m, s + j));
+  }
+  const float mx = _mm512_reduce_max_ps(vmx);
+  const float scale2 = scale * 1.44269504088896341f;  // exp(x) = 2^(x log2 e)
+  const __m512 sc = _mm512_set1_ps(scale2), off = _mm512_set1_ps(mx * scale2);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < end; j += 16) {
+    __m512 e = _mm512_setzero_ps();
+    if (j < n) {
+      const __mmask16 m = tail_mask(n - j);
+      e = _mm512_maskz_mov_ps(m, exp2_bf16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), sc, off)));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+  return mx * scale;
+}
+
 // Accumulators 0..NC-1 += the numerators of one 32-key chunk (tile 4: `a`, rows `lda` bytes
 // apart) x its V pair tiles (w: the chunk's vectors from column group g0 on).
 template <int C, int NC>
@@ -730,29 +774,9 @@ QUASAR_AMXBF16 void attend_prefill_amx(const float* const* qs, const int64_t* ns
     alignas(64) float inv[16];
     const int64_t end32 = (n_block + 31) / 32 * 32;
     for (int64_t r = 0; r < mb; ++r) {
-      const int64_t i = q0 + r, n = ns[i];
-      float* s = scores + i * stride;
-      uint16_t* pb = probs + i * stride;
-      const __m512 sc = _mm512_set1_ps(scale);
-      __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 m = tail_mask(n - j);
-        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), sc);
-        _mm512_mask_storeu_ps(s + j, m, x);
-        vmx = _mm512_mask_max_ps(vmx, m, vmx, x);
-      }
-      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < end32; j += 16) {
-        __m512 e = _mm512_setzero_ps();  // zeros past n
-        if (j < n) {
-          const __mmask16 m = tail_mask(n - j);
-          e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), mx)));
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      inv[r] = 1.0f / _mm512_reduce_add_ps(vsum);
+      float sum;
+      softmax_numerators(scores + (q0 + r) * stride, ns[q0 + r], end32, scale, probs + (q0 + r) * stride, sum);
+      inv[r] = 1.0f / sum;
     }
     // out = numerators x V, 16 dims per accumulator tile (4 at a time), then the lanes'
     // dim permutation of load_vt undone and the sum normalised
@@ -852,33 +876,9 @@ QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, 
     // softmax numerators as bf16 (zeros from a query's end to the last 32-key chunk) and
     // their float32 sum
     const int64_t end32 = (end - lo + 31) / 32 * 32;
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int64_t i = q0; i < q0 + mb; ++i) {
-      const int64_t n = ends[i] - lo;
-      if (n <= 0) continue;
-      float* srow = scores + i * stride;
-      uint16_t* pb = probs + i * stride;
-      __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 m = tail_mask(n - j);
-        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, srow + j), sc);
-        _mm512_mask_storeu_ps(srow + j, m, x);
-        vmx = _mm512_mask_max_ps(vmx, m, vmx, x);
-      }
-      mx[i] = _mm512_reduce_max_ps(vmx);
-      const __m512 vm = _mm512_set1_ps(mx[i]);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < end32; j += 16) {
-        __m512 e = _mm512_setzero_ps();
-        if (j < n) {
-          const __mmask16 m = tail_mask(n - j);
-          e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, srow + j), vm)));
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), (__m256i)_mm512_cvtneps_pbh(e));
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      sum[i] = _mm512_reduce_add_ps(vsum);
-    }
+    for (int64_t i = q0; i < q0 + mb; ++i)
+      if (ends[i] > lo)
+        mx[i] = softmax_numerators(scores + i * stride, ends[i] - lo, end32, scale, probs + i * stride, sum[i]);
     // outputs, 16 dims per accumulator tile (4 at a time)
     for (int64_t g0 = 0; g0 < C; g0 += 4) {
       // the chunks shared by the queries (a prefix), then per query the chunks past its
