@@ -399,3 +399,19 @@ def test_prompt_chunks_attend_with_tiles_like_the_step_kernel(models, head_dim_6
     assert (tiles.argmax(-1) == steps.argmax(-1)).float().mean() > 0.95
     assert (tiles_k - steps_k).abs().max() < 5e-2 * steps_k.abs().max()
     assert (tiles_v - steps_v).abs().max() < 5e-2 * steps_v.abs().max()
+
+
+@pytest.mark.skipif(not ext.amx_attention_supported(), reason="without AMX the tests above already run the vector kernel")
+def test_the_vector_kernel_of_cpus_without_amx(tmp_path):
+    """On an AMX CPU every step attends with tiles, so the vector kernel other AVX512-BF16
+    CPUs use (key blocks included) is run here with QUASAR_NO_AMX=1 in a fresh process:
+    rows, trees and batches bitwise alone, and close to the float32 cache and the modules."""
+    import os
+    import subprocess
+    import sys
+
+    tests = "row_invariance or tree_rows or batch_rows or bf16_cache_step or greedy_tree"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env={**os.environ, "QUASAR_NO_AMX": "1"}, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout
