@@ -23,7 +23,7 @@ k + 1 tokens) with a hand-written kernel that reads the weight once, instead of 
 On a CPU with AMX-INT8 the same kernel computes steps of 2 or more rows with tile matrix
 multiplies (:func:`amx_min_rows`; ``QUASAR_NO_AMX=1`` keeps it off): the same exact int32
 sums, so extra rows (drafts, batched sequences) cost little more than the first; and
-prompt chunks over a bfloat16 KV cache attend with AMX-BF16 tiles
+attention over a bfloat16 KV cache (prompt chunks and verifier steps) uses AMX-BF16 tiles
 (:func:`amx_attention_supported`).
 
 Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a
@@ -178,8 +178,8 @@ def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | N
 
 
 def amx_attention_supported() -> bool:
-    """True when the decoder op attends prompt chunks over a bfloat16 cache with AMX-BF16
-    tiles here (False without the op)."""
+    """True when the decoder op attends over a bfloat16 cache (prompt chunks and verifier
+    steps) with AMX-BF16 tiles here (False without the op)."""
     return bf16_kv_supported() and bool(torch.ops.quasar_quant.w8a8_amx_attention_supported())
 
 

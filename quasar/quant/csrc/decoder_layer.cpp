@@ -346,16 +346,6 @@ QUASAR_BF16 inline __m512i load_row(const uint16_t* row, int b) {
   return row ? _mm512_loadu_si512(row + 32 * b) : _mm512_setzero_si512();
 }
 
-// A query's 16 scores (scale times the sum of its four product chains) into `out`, its lanes
-// of `vmax` raised to them (the first cnt keys).
-QUASAR_BF16 inline void store_scores(float* out, float* vmax, int64_t cnt, float scale, __m512 a0, __m512 a1,
-                                     __m512 a2, __m512 a3) {
-  const __mmask16 m = tail_mask(cnt);
-  const __m512 sc = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), _mm512_set1_ps(scale));
-  _mm512_mask_storeu_ps(out, m, sc);
-  _mm512_store_ps(vmax, _mm512_mask_max_ps(_mm512_load_ps(vmax), m, _mm512_load_ps(vmax), sc));
-}
-
 // kt[16b + c] = bf16 pair (32b + 2c, 32b + 2c + 1) of key rows[0..15] (nullptr: zeros).
 template <int C>
 QUASAR_BF16 inline void load_kt(const uint16_t* const* rows, __m512i* kt) {
@@ -376,6 +366,13 @@ QUASAR_BF16 inline void load_vt(const uint16_t* const* rows, __m512i* vt) {
       vt[jp * C + 2 * b] = _mm512_unpacklo_epi16(x, y);
       vt[jp * C + 2 * b + 1] = _mm512_unpackhi_epi16(x, y);
     }
+}
+
+// Output vector c of a head in load_vt's lane order (c = 2b + h: lane 4g + e is dim
+// 32b + 8g + 4h + e), times w, into the head vector o in dim order.
+inline void store_lanes(const float* lanes, int64_t c, float w, float* o) {
+  const int64_t base = 32 * (c / 2) + 4 * (c % 2);
+  for (int l = 0; l < 16; ++l) o[base + 8 * (l / 4) + l % 4] = lanes[l] * w;
 }
 
 QUASAR_BF16 inline __m512 dp_bf16(__m512 acc, __m512i a, uint32_t pair) {
@@ -449,7 +446,12 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
         a2 = dp_bf16(a2, kt[p + 2], qp[p + 2]);
         a3 = dp_bf16(a3, kt[p + 3], qp[p + 3]);
       }
-      store_scores(scores + i * stride + (j0 - lo), vmax + 16 * i, cnt, scale, a0, a1, a2, a3);
+      const __mmask16 m = tail_mask(cnt);
+      const __m512 sc = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                                      _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + i * stride + (j0 - lo), m, sc);  // from the block's first key
+      _mm512_store_ps(vmax + 16 * i, _mm512_mask_max_ps(_mm512_load_ps(vmax + 16 * i), m,
+                                                        _mm512_load_ps(vmax + 16 * i), sc));
     }
   }
   // softmax numerators (float32 for the sum, bf16 for the products; zeros past n to the
@@ -512,13 +514,10 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
   for (int64_t i = 0; i < nq; ++i) {
     if (ns[i] <= lo) continue;
     const float* ai = acc + i * 2 * d;
-    float* const o = parts[i] ? parts[i] : outs[i];
     alignas(64) float lanes[16];
-    for (int c = 0; c < C; ++c) {  // vector c = 2b + h: lane 4g + e is dim 32b + 8g + 4h + e
-      const __m512 a = _mm512_add_ps(_mm512_loadu_ps(ai + 16 * c), _mm512_loadu_ps(ai + d + 16 * c));
-      _mm512_store_ps(lanes, parts[i] ? a : _mm512_mul_ps(a, _mm512_set1_ps(inv[i])));
-      const int64_t base = 32 * (c / 2) + 4 * (c % 2);
-      for (int l = 0; l < 16; ++l) o[base + 8 * (l / 4) + l % 4] = lanes[l];
+    for (int c = 0; c < C; ++c) {  // a partial result stays unnormalised
+      _mm512_store_ps(lanes, _mm512_add_ps(_mm512_loadu_ps(ai + 16 * c), _mm512_loadu_ps(ai + d + 16 * c)));
+      store_lanes(lanes, c, parts[i] ? 1.0f : inv[i], parts[i] ? parts[i] : outs[i]);
     }
     if (parts[i]) {
       parts[i][d] = mx[i];
@@ -534,21 +533,17 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
 QUASAR_AVX512 void combine_blocks(const float* parts, int64_t nb, int64_t d, float* out) {
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < nb; ++b) m = std::max(m, parts[b * (d + 2) + d]);
-  alignas(64) float w[16];
+  std::fill_n(out, d, 0.0f);
   float total = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
-    _mm512_store_ps(w, exp512(_mm512_set1_ps(parts[b * (d + 2) + d] - m)));
-    total += w[0] * parts[b * (d + 2) + d + 1];
+    const float* pb = parts + b * (d + 2);
+    const __m512 w = exp512(_mm512_set1_ps(pb[d] - m));
+    total += _mm512_cvtss_f32(w) * pb[d + 1];
+    for (int64_t c = 0; c < d; c += 16)
+      _mm512_storeu_ps(out + c, _mm512_fmadd_ps(w, _mm512_loadu_ps(pb + c), _mm512_loadu_ps(out + c)));
   }
   const __m512 inv = _mm512_set1_ps(1.0f / total);
-  for (int64_t c = 0; c < d; c += 16) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* pb = parts + b * (d + 2);
-      a = _mm512_fmadd_ps(exp512(_mm512_set1_ps(pb[d] - m)), _mm512_loadu_ps(pb + c), a);
-    }
-    _mm512_storeu_ps(out + c, _mm512_mul_ps(a, inv));
-  }
+  for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(out + c), inv));
 }
 
 using AttendBf16Fn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, float* const*,
@@ -570,12 +565,13 @@ AttendBf16Fn attend_bf16_for(int64_t d) {
 // ------------------------------------------- prefill attention with AMX-BF16 tiles
 // A prompt chunk (a chain of up to 128 rows in one slot) attends with tile multiplies
 // (tdpbf16ps: 16 queries x 16 keys x 32 dims, or 16 queries x 32 keys x 16 dims, per
-// instruction) instead of vdpbf16ps: same bf16 inputs (q, K, V, softmax numerators rounded
-// to bf16; max, exp, sums and normalisation in float32), a different summation order. That
-// is allowed only for prompt chunks: a prompt is always prefilled in the same chunks, so
-// its cache is the same in every decode, while verifier steps keep the row-invariant kernel
-// (a token's logits never depend on how it was verified). Why: at 5k tokens attention was
-// half of the prefill, at the vdpbf16ps compute limit.
+// instruction): same bf16 inputs (q, K, V, softmax numerators rounded to bf16; max, exp,
+// sums and normalisation in float32) and the same arithmetic as the steps' tile kernel
+// (attend_group_amx, below), but over all its keys at once, with operands built once per
+// kv head for the whole chunk, not in 512-key blocks: past one block not bitwise a step.
+// That is allowed for prompt chunks only: a prompt is always prefilled in the same chunks,
+// so its cache is the same in every decode. Why: at 5k tokens attention was half of the
+// prefill, at the vdpbf16ps compute limit.
 // Tiles (one configuration, `rows` = the query block's rows): 0..4 and 7 [rows, 64 bytes],
 // 5 and 6 [16, 64 bytes]. Scores: A = q (tiles 1..4, one per 32 dims), B = a K^T chunk,
 // C = tile 0; for head_dim <= 64 two key chunks at a time (C = tiles 0 and 7), so one
@@ -598,9 +594,6 @@ QUASAR_AMXBF16 void attn_tiles(int64_t rows) {
   _tile_loadconfig(&cfg);
 }
 
-// Output dims [16 g0, 16 (g0 + NC)) of a query block: probs [rows, 32 keys] tiles against
-// V pair tiles (vt: per 32-key chunk, 16 rows of key pairs, C vectors of 64 bytes each);
-// sums stored as [rows, 64] floats at `out` (vector c at column 16 c).
 // The softmax of the tile kernels, one query: its n unscaled scores s (a tile row) to bf16
 // numerators exp(scale (s_j - max)) at pb, zeros from n to `end` (a multiple of 16); returns
 // the scaled max and sets `sum` to the numerators' float32 sum. Scaling inside the exponent
@@ -668,6 +661,9 @@ QUASAR_AMXBF16 inline void store_accumulators(float* out) {
   if constexpr (NC > 3) _tile_stored(3, out + 48, 256);
 }
 
+// Output dims [16 g0, 16 (g0 + NC)) of a query block: probs [rows, 32 keys] tiles against
+// V pair tiles (vt: per 32-key chunk, 16 rows of key pairs, C vectors of 64 bytes each);
+// sums stored as [rows, 64] floats at `out` (vector c at column 16 c).
 template <int C, int NC>
 QUASAR_AMXBF16 inline void prefill_pv(const uint16_t* probs, int64_t stride, const __m512i* vt, int64_t g0,
                                       int64_t chunks, float* out) {
@@ -787,11 +783,8 @@ QUASAR_AMXBF16 void attend_prefill_amx(const float* const* qs, const int64_t* ns
       else
         prefill_pv<C, 2>(pblock, stride, vt, g0, end32 / 32, acc);
       for (int64_t r = 0; r < mb; ++r)
-        for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c) {
-          const float* lanes = acc + r * 64 + (c - g0) * 16;
-          const int64_t base = 32 * (c / 2) + 4 * (c % 2);  // lane 4g + e is dim 32b + 8g + 4h + e
-          for (int l = 0; l < 16; ++l) outs[q0 + r][base + 8 * (l / 4) + l % 4] = lanes[l] * inv[r];
-        }
+        for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c)
+          store_lanes(acc + r * 64 + (c - g0) * 16, c, inv[r], outs[q0 + r]);
     }
   }
   _tile_release();
@@ -920,13 +913,9 @@ QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, 
       for (int64_t r = 0; r < mb; ++r) {
         const int64_t i = q0 + r;
         if (ends[i] <= lo) continue;
-        float* const o = parts[i] ? parts[i] : outs[i];
-        const float w = parts[i] ? 1.0f : 1.0f / sum[i];
-        for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c) {
-          const float* lanes = acc + r * 64 + (c - g0) * 16;
-          const int64_t base = 32 * (c / 2) + 4 * (c % 2);  // lane 4g + e is dim 32b + 8g + 4h + e
-          for (int l = 0; l < 16; ++l) o[base + 8 * (l / 4) + l % 4] = parts[i] ? lanes[l] : lanes[l] * w;
-        }
+        const float w = parts[i] ? 1.0f : 1.0f / sum[i];  // a partial result stays unnormalised
+        for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c)
+          store_lanes(acc + r * 64 + (c - g0) * 16, c, w, parts[i] ? parts[i] : outs[i]);
       }
     }
     for (int64_t i = q0; i < q0 + mb; ++i)
@@ -1364,8 +1353,6 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                          acc.data());
           continue;
         }
-#endif
-#ifdef QUASAR_AMX_ATTENTION
         if (attend_amx) {
           attend_amx(qp, ns, KeyMap{sp, tl}, op, pp, it.q1 - it.q0, it.block * kBlockKeys, (it.block + 1) * kBlockKeys,
                      k_b16 + head, v_b16 + head, scale, scores.data(), probs.data(), stride, acc.data(), amx_ops);
@@ -1425,7 +1412,8 @@ bool w8a8_bf16_supported() {
 #endif
 }
 
-// Whether prompt chunks over a bfloat16 cache attend with AMX-BF16 tiles here.
+// Whether attention over a bfloat16 cache (prompt chunks and verifier steps) uses AMX-BF16
+// tiles here.
 bool w8a8_amx_attention_supported() {
 #if defined(QUASAR_LAYER_KERNEL) && defined(QUASAR_AMX_ATTENTION)
   return bf16_supported() && amx_bf16_supported();
