@@ -185,7 +185,7 @@ def test_spare_rows_go_to_the_likeliest_drafts_batch_wide():
             self.gen = object() if seeded else None
             self.opts = SimpleNamespace(sampling=SimpleNamespace(seed=1 if seeded else None))
 
-        draft_probs, cut_draft, pending = Sequence.draft_probs, Sequence.cut_draft, 0
+        draft_probs, cut_draft, _rows, pending = Sequence.draft_probs, Sequence.cut_draft, Sequence._rows, 0
 
     batch = object.__new__(BatchDecoder)
     batch.max_rows = 8

@@ -241,7 +241,7 @@ class Sequence:
         tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
         max_nodes = None if self.pass_rows is None else self.pass_rows - 1
         self.tree = tree.limit(tree.worth_keeping(self.row_cost, max_nodes))  # the nodes worth their rows
-        return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
+        return self._rows()
 
     def draft_probs(self) -> list[float]:
         """The step's drafts' estimated chances of being accepted (their paths), in row order,
@@ -257,6 +257,10 @@ class Sequence:
         """Keep the first n draft nodes of the step in flight (a batch sharing out its rows);
         returns its rows as `next_rows` does."""
         self.tree = self.tree.limit(n)
+        return self._rows()
+
+    def _rows(self) -> tuple[list[int], list[int]]:
+        """The step's rows: the pending token, then the draft nodes (parents as row indices)."""
         return [self.pending, *self.tree.tokens], [-1, *(p + 1 for p in self.tree.parents)]
 
     def accept(self, logits: torch.Tensor, best: list[int] | None = None,
