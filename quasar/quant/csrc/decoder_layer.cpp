@@ -1260,7 +1260,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   // spread over the threads by rows instead of running on one while the others wait, and
   // the ~150 fork/joins of a region per GEMM and attention call are gone. Row phases give
   // each thread the same rows throughout (so a row's residual add and the next norm need no
-  // barrier); GEMM phases split the output chunks; every row and every output column is
+  // barrier); GEMM phases split the output vectors; every row and every output column is
   // computed alone, so how the work is split never changes a bit.
   const int n_threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(n_threads)
@@ -1276,8 +1276,8 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
         quasar::quantize_rows_u8(src + r0 * k, nr, k, q.data() + r0 * k4, sx.data() + r0);
     };
     const auto run_gemm = [&](const quasar::SmallMGemm& g) {
-      const int64_t c = g.chunks();
-      g.run(c * tid / nt, c * (tid + 1) / nt);
+      const int64_t v = g.vectors();
+      g.run(v * tid / nt, v * (tid + 1) / nt);
     };
     std::vector<float> scores(kMaxGroupQueries * stride), acc(kMaxGroupQueries * 2 * D);
     std::vector<uint16_t> probs(bf16 ? kMaxGroupQueries * stride : 0);

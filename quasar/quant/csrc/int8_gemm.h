@@ -57,18 +57,18 @@ void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* se
 // as q = 128 * hi + lo: hi + 128 and lo + 128 as uint8 [M, padded_k(K)] each.
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx);
 
-// A small-M GEMM cut into chunks (one weight tile, 64 output columns, each), for callers
-// that spread the chunks over their own threads (the fused decoder op runs a whole step in
-// one parallel region): the constructor checks the arguments (and may throw); run(c0, c1)
-// computes chunks [c0, c1) and never throws, so it may run inside an OpenMP region;
+// A small-M GEMM cut into vectors (16 output columns of one weight tile each), for callers
+// that spread them over their own threads (the fused decoder op runs a whole step in one
+// parallel region): the constructor checks the arguments (and may throw); run(v0, v1)
+// computes vectors [v0, v1) and never throws, so it may run inside an OpenMP region;
 // run_parallel() does them all over the intra-op threads. xlo null: 8-bit activations xu;
 // else 15-bit activations split in xu (hi) and xlo (see small_m_gemm_split).
 constexpr int64_t kMaxSegments = 8;
 struct SmallMGemm {
   SmallMGemm(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
              const float* sx, float* y, int64_t y_stride);
-  int64_t chunks() const { return chunk_first[n_segs]; }
-  void run(int64_t c0, int64_t c1) const;
+  int64_t vectors() const { return vector_first[n_segs]; }
+  void run(int64_t v0, int64_t v1) const;
   void run_parallel() const;
 
   const uint8_t *xu, *xlo;
@@ -78,7 +78,7 @@ struct SmallMGemm {
   const float* sx;
   float* y;
   int64_t y_stride;
-  int64_t chunk_first[kMaxSegments + 1];  // segment s's first chunk
+  int64_t vector_first[kMaxSegments + 1];  // segment s's first vector
   bool amx;  // the sums come from AMX tile multiplies (the CPU has them, M is large enough)
 };
 

@@ -234,7 +234,8 @@ inline int32_t load_u32(const uint8_t* p) {
 // are final when the loop ends, so there is no horizontal reduction. (Keep the loop this
 // plain: a separate tail step made GCC spill the accumulators, 3x slower.)
 template <int R, int NV>
-QUASAR_VNNI void tile_pass(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t, int32_t* acc) {
+QUASAR_VNNI void tile_pass(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t, int64_t group_bytes,
+                           int32_t* acc) {
   __m512i a[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -242,7 +243,7 @@ QUASAR_VNNI void tile_pass(const uint8_t* x, int64_t ldx, int64_t K, const int8_
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_setzero_si512();
   const int64_t groups = (K + 3) / 4;
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* p = t + g * NV * 64;
+    const int8_t* p = t + g * group_bytes;
     __m512i w[NV];
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(p + v * 64);
@@ -260,7 +261,7 @@ QUASAR_VNNI void tile_pass(const uint8_t* x, int64_t ldx, int64_t K, const int8_
 }
 
 constexpr int kMaxPassRows = 6;  // R of one tile_pass: 6 * 4 accumulators
-using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*);
+using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
 
 template <int NV>
 constexpr PassFn kPasses[kMaxPassRows] = {tile_pass<1, NV>, tile_pass<2, NV>, tile_pass<3, NV>,
@@ -270,13 +271,16 @@ constexpr PassFn kPasses[kMaxPassRows] = {tile_pass<1, NV>, tile_pass<2, NV>, ti
 // first pass reads the tile from memory (at 6 rows its arithmetic hides under the
 // stream), later ones from L2, where their arithmetic is all they cost; so the first pass
 // takes as many rows as it can (7 rows as 6 + 1, not 4 + 3).
-void tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t nv, int32_t* acc) {
+// Vectors [v0, v0 + nv) of a tile of `stride` vectors (v0 > 0 or nv < stride: a tile shared
+// by two threads).
+void tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
+               int32_t* acc) {
   const int64_t k4 = quasar::padded_k(K);
   static constexpr const PassFn* kByNv[4] = {kPasses<1>, kPasses<2>, kPasses<3>, kPasses<4>};
   const PassFn* passes = kByNv[nv - 1];
   for (int64_t r0 = 0; r0 < M; r0 += kMaxPassRows) {
     const int64_t rows = std::min<int64_t>(kMaxPassRows, M - r0);
-    passes[rows - 1](x + r0 * k4, k4, K, t, acc + r0 * quasar::kTile);
+    passes[rows - 1](x + r0 * k4, k4, K, t + v0 * 64, stride * 64, acc + r0 * quasar::kTile);
   }
 }
 #endif
@@ -352,22 +356,23 @@ constexpr int64_t kAhead = 2;  // column blocks a pass prefetches ahead
 // which this thread most likely does next).
 #define QUASAR_AMX_BLOCK(A, xb, w)                                                                      \
   do {                                                                                                  \
-    const int8_t* next_ = (w) + kAhead * kBlock;                                                        \
-    _Pragma("GCC unroll 64") for (int i_ = 0; i_ < 16 * NV; ++i_)                                       \
-        _mm_prefetch(reinterpret_cast<const char*>(next_ + i_ * 64), _MM_HINT_T0);                      \
+    const int8_t* next_ = (w) + kAhead * block;                                                         \
+    _Pragma("GCC unroll 16") for (int g_ = 0; g_ < 16; ++g_)                                            \
+        _Pragma("GCC unroll 4") for (int v_ = 0; v_ < NV; ++v_)                                         \
+            _mm_prefetch(reinterpret_cast<const char*>(next_ + g_ * stride + v_ * 64), _MM_HINT_T0);   \
     _tile_loadd(A, (xb), ldx);                                                                          \
-    _tile_loadd(6, (w), kStride);                                                                       \
+    _tile_loadd(6, (w), stride);                                                                        \
     _tile_dpbusd(0, A, 6);                                                                              \
     if constexpr (NV > 1) {                                                                             \
-      _tile_loadd(7, (w) + 64, kStride);                                                                \
+      _tile_loadd(7, (w) + 64, stride);                                                                \
       _tile_dpbusd(1, A, 7);                                                                            \
     }                                                                                                   \
     if constexpr (NV > 2) {                                                                             \
-      _tile_loadd(6, (w) + 128, kStride);                                                               \
+      _tile_loadd(6, (w) + 128, stride);                                                               \
       _tile_dpbusd(2, A, 6);                                                                            \
     }                                                                                                   \
     if constexpr (NV > 3) {                                                                             \
-      _tile_loadd(7, (w) + 192, kStride);                                                               \
+      _tile_loadd(7, (w) + 192, stride);                                                               \
       _tile_dpbusd(3, A, 7);                                                                            \
     }                                                                                                   \
   } while (0)
@@ -375,13 +380,13 @@ constexpr int64_t kAhead = 2;  // column blocks a pass prefetches ahead
 // tile_pass's sums with AMX for up to 16 rows (the configured row count): the tile's NV
 // vectors of 16 weight rows against the activations, 64 columns (16 groups of 4) per
 // tdpbusd. In pack_tiles' layout the 16 groups of vector v from group 16 b on are 16
-// stripes of 64 bytes, nv * 64 bytes apart: exactly a weight tile of tdpbusd (row r = the
-// 4 bytes of column 4 r..4 r + 3 for each of 16 outputs). K4 is a multiple of 64 (padded_k),
-// the padding zero.
+// stripes of 64 bytes, `stride` = nv * 64 bytes apart: exactly a weight tile of tdpbusd (row
+// r = the 4 bytes of column 4 r..4 r + 3 for each of 16 outputs); t points at the first of
+// the NV vectors taken (NV < nv: a tile shared by two threads). K4 is a multiple of 64
+// (padded_k), the padding zero.
 template <int NV>
-QUASAR_AMX void amx_pass(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t* t, int32_t* acc) {
-  constexpr int64_t kStride = NV * 64;  // bytes from one group of 4 columns to the next
-  constexpr int64_t kBlock = 16 * kStride;  // weight bytes of one block of 64 columns
+QUASAR_AMX void amx_pass(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t* t, int64_t stride, int32_t* acc) {
+  const int64_t block = 16 * stride;  // weight bytes of one block of 64 columns
   _tile_zero(0);
   if constexpr (NV > 1) _tile_zero(1);
   if constexpr (NV > 2) _tile_zero(2);
@@ -389,10 +394,10 @@ QUASAR_AMX void amx_pass(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t
   const int64_t blocks = k4 / 64;
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
-    QUASAR_AMX_BLOCK(4, x + b * 64, t + b * kBlock);
-    QUASAR_AMX_BLOCK(5, x + (b + 1) * 64, t + (b + 1) * kBlock);
+    QUASAR_AMX_BLOCK(4, x + b * 64, t + b * block);
+    QUASAR_AMX_BLOCK(5, x + (b + 1) * 64, t + (b + 1) * block);
   }
-  if (b < blocks) QUASAR_AMX_BLOCK(4, x + b * 64, t + b * kBlock);
+  if (b < blocks) QUASAR_AMX_BLOCK(4, x + b * 64, t + b * block);
   constexpr int64_t kAccStride = quasar::kTile * sizeof(int32_t);
   _tile_stored(0, acc, kAccStride);
   if constexpr (NV > 1) _tile_stored(1, acc + 16, kAccStride);
@@ -405,8 +410,8 @@ QUASAR_AMX void amx_pass(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t
 // one-block pass cost almost as much as the first). Vectors go in pairs: tiles 0/1 and 2/3
 // accumulate vectors v, v + 1 of the two blocks.
 template <int NV>
-QUASAR_AMX void amx_pass2(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t* t, int32_t* acc) {
-  constexpr int64_t kStride = NV * 64, kBlock = 16 * kStride;
+QUASAR_AMX void amx_pass2(const uint8_t* x, int64_t ldx, int64_t k4, const int8_t* t, int64_t stride, int32_t* acc) {
+  const int64_t block = 16 * stride;
   constexpr int64_t kAccStride = quasar::kTile * sizeof(int32_t);
   const int64_t blocks = k4 / 64;
   const uint8_t* xb = x + 16 * ldx;
@@ -420,20 +425,20 @@ QUASAR_AMX void amx_pass2(const uint8_t* x, int64_t ldx, int64_t k4, const int8_
       _tile_zero(3);
     }
     for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* w = t + b * kBlock + v * 64;
-      const int8_t* next = w + kAhead * kBlock;
+      const int8_t* w = t + b * block + v * 64;
+      const int8_t* next = w + kAhead * block;
 #pragma GCC unroll 16
       for (int g = 0; g < 16; ++g) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + g * kStride), _MM_HINT_T0);
-        if (pair) _mm_prefetch(reinterpret_cast<const char*>(next + g * kStride + 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + g * stride), _MM_HINT_T0);
+        if (pair) _mm_prefetch(reinterpret_cast<const char*>(next + g * stride + 64), _MM_HINT_T0);
       }
       _tile_loadd(4, x + b * 64, ldx);
       _tile_loadd(5, xb + b * 64, ldx);
-      _tile_loadd(6, w, kStride);
+      _tile_loadd(6, w, stride);
       _tile_dpbusd(0, 4, 6);
       _tile_dpbusd(2, 5, 6);
       if (pair) {
-        _tile_loadd(7, w + 64, kStride);
+        _tile_loadd(7, w + 64, stride);
         _tile_dpbusd(1, 4, 7);
         _tile_dpbusd(3, 5, 7);
       }
@@ -450,10 +455,10 @@ QUASAR_AMX void amx_pass2(const uint8_t* x, int64_t ldx, int64_t k4, const int8_
 // tile_rows with AMX: pairs of 16-row blocks (amx_pass2), a last block alone (amx_pass).
 // `configured` is the (rows A, rows B) the calling thread's tiles are set up for, packed as
 // 64 * A + B (0: not yet); it is updated here.
-QUASAR_AMX void amx_tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t nv, int32_t* acc,
-                              int64_t& configured) {
+QUASAR_AMX void amx_tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
+                              int64_t nv, int32_t* acc, int64_t& configured) {
   const int64_t k4 = quasar::padded_k(K);
-  using AmxFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*);
+  using AmxFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
   static constexpr AmxFn kOne[4] = {amx_pass<1>, amx_pass<2>, amx_pass<3>, amx_pass<4>};
   static constexpr AmxFn kTwo[4] = {amx_pass2<1>, amx_pass2<2>, amx_pass2<3>, amx_pass2<4>};
   for (int64_t r0 = 0; r0 < M; r0 += 32) {
@@ -463,7 +468,7 @@ QUASAR_AMX void amx_tile_rows(const uint8_t* x, int64_t M, int64_t K, const int8
       amx_configure(rows_a, rows_b);
       configured = 64 * rows_a + rows_b;
     }
-    (left > 16 ? kTwo : kOne)[nv - 1](x + r0 * k4, k4, k4, t, acc + r0 * quasar::kTile);
+    (left > 16 ? kTwo : kOne)[nv - 1](x + r0 * k4, k4, k4, t + v0 * 64, stride * 64, acc + r0 * quasar::kTile);
   }
 }
 
@@ -489,18 +494,20 @@ void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, 
 
 namespace {
 
-// The outputs of chunks [c0, c1) of a small-M GEMM (a chunk is one weight tile: 64 output
-// columns of one segment; chunk_first[s] is segment s's first chunk): the tile's sums for
-// all M rows, then comp and the epilogue (elementwise, so how chunks are spread over threads
-// never changes a bit). Rows past the first pass's 6 (VNNI) are further passes over the
-// tile while it is in L2, not another read from memory, so up to kTiledMaxRows rows (a
+// The outputs of vectors [v0, v1) of a small-M GEMM (a vector is 16 output columns of one
+// weight tile; vector_first[s] is segment s's first): each tile's sums for all M rows, then
+// comp and the epilogue (elementwise, so how vectors are spread over threads never changes
+// a bit). A tile is taken whole where it can be; the range's ends may cut one, so two
+// threads share it (a GEMM of 9 tiles, as the default model's o and down projections, is
+// split 4.5 / 4.5, not 5 / 4). Rows past the first pass's 6 (VNNI) are further passes over
+// the tile while it is in L2, not another read from memory, so up to kTiledMaxRows rows (a
 // prefill chunk of the fused decoder op) read the weights once; with AMX, 16 rows are one
 // tdpbusd. kSplit: 15-bit activations, q = 128 * hi + lo, given as two uint8 arrays
 // (hi + 128, lo + 128); both products are exact int32s, combined in int64.
 template <bool kSplit>
-void gemm_chunks(const quasar::SmallMGemm& g, const int64_t* chunk_first, bool amx, int64_t c0, int64_t c1) {
+void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, bool amx, int64_t v0, int64_t v1) {
 #ifdef QUASAR_VNNI_KERNEL
-  constexpr int64_t kChunk = quasar::kTile;
+  constexpr int64_t kChunk = quasar::kTile, kTileVectors = kChunk / 16;
   const int64_t M = g.M, K = g.K, k4 = quasar::padded_k(K);
   // Per-thread scratch, kept between calls (a step makes hundreds).
   thread_local std::vector<int32_t> acc_buf, acc_lo_buf;
@@ -512,22 +519,25 @@ void gemm_chunks(const quasar::SmallMGemm& g, const int64_t* chunk_first, bool a
   // The tile configuration is per thread, and other code (oneDNN) may change it between
   // calls: set it here, release the tiles at the end.
   int64_t configured = 0;
-  const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t nv, int32_t* a) {
+  const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t stride, int64_t va, int64_t nv, int32_t* a) {
 #ifdef QUASAR_AMX_KERNEL
-    if (amx) return amx_tile_rows(xr, M, K, tile, nv, a, configured);
+    if (amx) return amx_tile_rows(xr, M, K, tile, stride, va, nv, a, configured);
 #endif
-    tile_rows(xr, M, K, tile, nv, a);
+    tile_rows(xr, M, K, tile, stride, va, nv, a);
   };
   int64_t s = 0;
-  for (int64_t c = c0; c < c1; ++c) {
-    while (c >= chunk_first[s + 1]) ++s;
+  for (int64_t v = v0; v < v1;) {
+    while (v >= vector_first[s + 1]) ++s;
     const quasar::Int8Segment& seg = g.segs[s];
-    const int64_t n0 = (c - chunk_first[s]) * kChunk, n_len = std::min(seg.n - n0, kChunk);
+    const int64_t in_seg = v - vector_first[s], n0 = in_seg / kTileVectors * kChunk;
+    const int64_t n_len = std::min(seg.n - n0, kChunk), stride = (n_len + 15) / 16;  // the tile's vectors
+    const int64_t va = in_seg % kTileVectors, vb = std::min(stride, va + (v1 - v));  // [va, vb) of them
     const int8_t* tile = seg.tiles + n0 * k4;
-    const int64_t nv = (n_len + 15) / 16;
-    sums(g.xu, tile, nv, acc);
-    if (kSplit) sums(g.xlo, tile, nv, acc_lo);
-    finish_chunk<kSplit>(acc, acc_lo, wide, M, n_len, seg, n0, g.sx, g.y, g.y_stride);
+    sums(g.xu, tile, stride, va, vb - va, acc);
+    if (kSplit) sums(g.xlo, tile, stride, va, vb - va, acc_lo);
+    finish_chunk<kSplit>(acc, acc_lo, wide, M, std::min(n_len, 16 * vb) - 16 * va, seg, n0 + 16 * va, g.sx, g.y,
+                         g.y_stride);
+    v += vb - va;
   }
 #ifdef QUASAR_AMX_KERNEL
   if (configured) amx_release();
@@ -561,27 +571,27 @@ SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int6
   TORCH_CHECK(vnni_supported(), "int8 small-M GEMM: needs an AVX512-VNNI CPU");
   TORCH_CHECK(M >= 1 && M <= kTiledMaxRows, "int8 small-M GEMM called with M = ", M);
   TORCH_CHECK(n_segs >= 1 && n_segs <= kMaxSegments, "int8 small-M GEMM: 1..", kMaxSegments, " segments");
-  chunk_first[0] = 0;
+  vector_first[0] = 0;
   for (int64_t s = 0; s < n_segs; ++s) {
     TORCH_CHECK(segs[s].tiles != nullptr, "int8 small-M GEMM: the weight must be packed in tiles");
-    chunk_first[s + 1] = chunk_first[s] + (segs[s].n + kTile - 1) / kTile;
+    vector_first[s + 1] = vector_first[s] + (segs[s].n + 15) / 16;
   }
   const int64_t amx_min = g_amx_min_rows.load(std::memory_order_relaxed);
   amx = amx_min > 0 && M >= amx_min && amx_supported();
 }
 
-void SmallMGemm::run(int64_t c0, int64_t c1) const {
+void SmallMGemm::run(int64_t v0, int64_t v1) const {
   if (xlo)
-    gemm_chunks<true>(*this, chunk_first, amx, c0, c1);
+    gemm_vectors<true>(*this, vector_first, amx, v0, v1);
   else
-    gemm_chunks<false>(*this, chunk_first, amx, c0, c1);
+    gemm_vectors<false>(*this, vector_first, amx, v0, v1);
 }
 
-// All chunks over the intra-op threads; a task reads at least ~64 KiB of weights (less does
+// All vectors over the intra-op threads; a task reads at least ~64 KiB of weights (less does
 // not pay for waking a thread).
 void SmallMGemm::run_parallel() const {
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kTile * K));
-  at::parallel_for(0, chunks(), grain, [&](int64_t c0, int64_t c1) { run(c0, c1); });
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (16 * K));
+  at::parallel_for(0, vectors(), grain, [&](int64_t v0, int64_t v1) { run(v0, v1); });
 }
 
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
