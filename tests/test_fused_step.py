@@ -348,6 +348,10 @@ def test_w8a8_models_get_the_row_select_op_and_their_row_cost(models):
     assert q.row_cost == expected == fused_step.step_row_cost() and fp.row_cost == DEFAULT_ROW_COST  # tiny: the cap
     assert q.pass_rows == (fused_step.AMX_PASS_ROWS if ext.amx_supported() else fused_step.VNNI_PASS_ROWS)
     assert fp.pass_rows is None
+    cfg = q.config  # key cost: a key's K/V bytes over the int8 weight bytes
+    key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (2 if q.kv_dtype == torch.bfloat16 else 4)
+    weights = sum(m.in_features * m.out_features for m in q.modules() if isinstance(m, Int8Linear))
+    assert q.key_cost == pytest.approx(key_bytes / weights) and fp.key_cost == 0.0
     big = nn.Sequential(*[Int8Linear(4096, 4096) for _ in range(16)])  # 268 MB: rows relatively cheaper
     assert fused_step.step_row_cost(big) == pytest.approx(expected * (135e6 / (16 * 4096 * 4096)) ** 0.5)
     logits = step_logits(q, long_ids(ids), 9, fused=True)

@@ -10,7 +10,8 @@ import pytest
 from quasar.errors import QuasarError
 from quasar.speculative.registry import make_drafter
 from quasar.speculative.drafters import DraftTree
-from quasar.speculative.tree_drafter import EDGE_PROB, TreeDrafter, edge_prob
+from quasar.speculative.generate import ROW_KEY_SHARE, row_cost_at
+from quasar.speculative.tree_drafter import EDGE_PROB, PRIOR_WEIGHT, TreeDrafter, edge_prob
 
 
 def brute_followers(history, context, n_min, n_max):
@@ -180,3 +181,38 @@ def test_worth_keeping_pays_for_each_row():
         value = [(1 + sum(tree.probs[:k])) / (1 + cost * k) for k in range(5)]
         assert value[m] == max(value)
     assert tree.limit(2).probs == [0.9, 0.5]
+
+
+def test_a_sequence_calibrates_the_table_on_its_own_verified_nodes():
+    """Nodes below the greedy path count as tested, accepted when they are their parent row's
+    argmax; a cell's probability moves from EDGE_PROB toward what this sequence shows."""
+    d = TreeDrafter(budget=3)
+    d.reset([1, 2, 3, 9, 1, 2, 3])  # "1 2 3" -> 9: a 3-gram that always continued so
+    tree = d.propose_tree(3)
+    cell = (3, True, 3)  # 3-gram, majority, not recycled
+    assert tree.tokens == [9, 1, 2] and tree.parents == [-1, 0, 1]  # the repeat, as a chain
+    assert d.proposed_cells == [cell] * 3 and tree.probs[0] == EDGE_PROB[3][True][3]
+    rows, parents = [3, *tree.tokens], [-1, *(p + 1 for p in tree.parents)]
+    d.observe(rows, [[9], [0], [0], [0]], parents)  # the verifier took 9, then not 1
+    assert d.outcomes == {cell: [1, 2]}  # node 0 accepted, node 1 rejected, node 2 not tested
+    assert d.cell_prob(cell) == pytest.approx((PRIOR_WEIGHT * EDGE_PROB[3][True][3] + 1) / (PRIOR_WEIGHT + 2))
+    assert d.propose_tree(3).tokens == tree.tokens  # 9 is now also 3's recycled first choice
+    d.observe(rows, [[9], [1], [2], [0]], parents)  # the whole chain accepted
+    assert d.outcomes == {cell: [3, 4], (3, True, 0): [1, 1]}
+    d2 = TreeDrafter(budget=3)
+    d2.reset([1, 2, 3, 9, 1, 2, 3])
+    d2.propose_tree(3)
+    d2.observe(rows, [[5] for _ in rows], parents)  # rejected at the root: nothing below is tested
+    assert d2.outcomes == {cell: [0, 1]}
+    assert d2.cell_prob(cell) < EDGE_PROB[3][True][3] < d.cell_prob(cell)  # 0 of 1 < 0.65 < 3 of 4
+    d2.observe(rows, [[5] for _ in rows])  # rows without parents (not a proposal): recycling only
+    assert d2.outcomes == {cell: [0, 1]}
+    d2.reset([1])  # a new sequence starts from the table again
+    assert d2.outcomes == {} and d2.cell_prob(cell) == EDGE_PROB[3][True][3]
+
+
+def test_rows_grow_dearer_with_the_context():
+    assert row_cost_at(0.03, 1e-4, 0) == 0.03
+    costs = [row_cost_at(0.03, 1e-4, n) for n in (0, 1000, 5000, 50000, 10 ** 9)]
+    assert costs == sorted(costs) and costs[-1] == pytest.approx(ROW_KEY_SHARE, rel=1e-3)
+    assert row_cost_at(0.03, 0.0, 10 ** 6) == 0.03  # no key cost known: the flat row cost

@@ -252,6 +252,9 @@ class Transformer(nn.Module):
         # no such step): what tree drafts are sized by (the fused W8A8 step sets its own).
         self.row_cost = DEFAULT_ROW_COST
         self.pass_rows: int | None = None
+        # A one-row step's extra time per cached key, as a fraction of its time without
+        # context (the fused step: the K/V bytes of a key over the weight bytes; 0: unknown).
+        self.key_cost = 0.0
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight

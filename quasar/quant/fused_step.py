@@ -218,9 +218,21 @@ def step_pass_rows() -> int | None:
     return VNNI_PASS_ROWS if ext.small_m_supported() else None
 
 
+def step_key_cost(model: nn.Module) -> float:
+    """A one-row fused step's extra time per cached key, as a fraction of its time without
+    context (Transformer.key_cost): both stream from memory, so the ratio of a key's K/V bytes
+    (every layer, in the KV cache's dtype) to the int8 weight bytes."""
+    cfg = model.config
+    elem = torch.finfo(model.kv_dtype or torch.float32).bits // 8
+    key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    weight_bytes = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+    return key_bytes / max(weight_bytes, 1)
+
+
 def install(model: nn.Module) -> None:
     """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called), its
-    KV cache dtype, the one-pass argmax / top-k of its logits rows, its row cost and pass rows."""
+    KV cache dtype, the one-pass argmax / top-k of its logits rows, its row cost, pass rows
+    and key cost."""
     from quasar.quant import ext
 
     model.step_kernel = FusedW8A8Step(model)
@@ -228,3 +240,4 @@ def install(model: nn.Module) -> None:
     model.select_kernel = ext.row_argmax_topk_op()
     model.row_cost = step_row_cost(model)
     model.pass_rows = step_pass_rows()
+    model.key_cost = step_key_cost(model)

@@ -95,9 +95,11 @@ class Drafter(ABC):
         """At most `budget` draft nodes; a chain drafter proposes a chain."""
         return DraftTree.chain(self.propose(budget)[:budget])
 
-    def observe(self, tokens: list[int], top_ids: list[list[int]]) -> None:
+    def observe(self, tokens: list[int], top_ids: list[list[int]], parents: list[int] | None = None) -> None:
         """The last step's row tokens and, per row, the verifier's `observe_top_k` most likely
-        next tokens (only called when `observe_top_k` > 0)."""
+        next tokens (the first: its argmax), and the rows' parents (-1 for the pending
+        token's row, else a row index) when the rows are the drafter's last proposal (only
+        called when `observe_top_k` > 0)."""
 
 
 class NoDrafter(Drafter):

@@ -174,6 +174,23 @@ class _Output:
         return self.text[: self.stop_at] if self.stop_at is not None else self.text
 
 
+# A row's attention over one cached key costs a verifier step about this share of what
+# reading that key's K/V costs it. Default model with AMX tiles at 5,332 cached keys: each
+# row adds ~1.2 ms where the one-row step's K/V reads take ~7.7 ms (0.15); 0.25 decoded that
+# prompt fastest (interleaved, tree budget 15: 0.08 / 0.15 / 0.25 gave 187 / 186 / 194
+# tokens/s against the chain's 195), as deeper trees also cost the drafter more.
+ROW_KEY_SHARE = 0.25
+
+
+def row_cost_at(row_cost: float, key_cost: float, n_keys: int) -> float:
+    """The extra time of one more row, as a fraction of a one-row step, with `n_keys` cached
+    keys: a one-row step takes 1 + key_cost * n_keys (its weights, then its K/V reads) in units
+    of its time without context, a row row_cost + ROW_KEY_SHARE * key_cost * n_keys. Long
+    contexts make rows dearer: trees shrink as the context grows."""
+    kv = key_cost * n_keys
+    return (row_cost + ROW_KEY_SHARE * kv) / (1.0 + kv)
+
+
 class Sequence:
     """One request being decoded: its drafter, sampling, output and stats. It never calls
     the model; a driver runs the model on the rows it asks for and hands back their logits:
@@ -188,7 +205,8 @@ class Sequence:
     """
 
     def __init__(self, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions, tokenizer: Tokenizer,
-                 max_seq_len: int, row_cost: float = DEFAULT_ROW_COST, pass_rows: int | None = None):
+                 max_seq_len: int, row_cost: float = DEFAULT_ROW_COST, pass_rows: int | None = None,
+                 key_cost: float = 0.0):
         opts.validate()
         if not prompt_ids:
             raise QuasarError("the prompt is empty")
@@ -200,8 +218,9 @@ class Sequence:
         self.gen = None if opts.sampling.greedy else make_generator(opts.sampling)
         # row_cost: the verifier's extra time per row over a one-row step (Transformer.row_cost);
         # draft lengths and tree sizes are chosen to pay for their rows at that price, and a
-        # tree stays within pass_rows rows (Transformer.pass_rows: more cost another pass).
-        self.row_cost, self.pass_rows = row_cost, pass_rows
+        # tree stays within pass_rows rows (Transformer.pass_rows: more cost another pass);
+        # key_cost (Transformer.key_cost) makes rows dearer as the context grows (row_cost_at).
+        self.row_cost, self.pass_rows, self.key_cost = row_cost, pass_rows, key_cost
         self.adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1),
                                             token_cost=row_cost) \
             if opts.adaptive and opts.num_draft > 0 else None
@@ -240,7 +259,8 @@ class Sequence:
             k = min(k, max_draft)
         tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
         max_nodes = None if self.pass_rows is None else self.pass_rows - 1
-        self.tree = tree.limit(tree.worth_keeping(self.row_cost, max_nodes))  # the nodes worth their rows
+        cost = row_cost_at(self.row_cost, self.key_cost, len(self.prompt_ids) + len(self.out.ids))
+        self.tree = tree.limit(tree.worth_keeping(cost, max_nodes))  # the nodes worth their rows
         return self._rows()
 
     def draft_probs(self) -> list[float]:
@@ -290,7 +310,7 @@ class Sequence:
         if (k := self.drafter.observe_top_k):
             row_tokens = [self.pending, *tree.tokens]
             top = [ids[:k] for ids in top] if top is not None else logits.topk(k, dim=-1).indices.tolist()
-            self.drafter.observe(row_tokens, top)
+            self.drafter.observe(row_tokens, top, [-1, *(p + 1 for p in tree.parents)])
 
         n_before, pieces = len(self.out.ids), []
         for i, token in enumerate(emitted):

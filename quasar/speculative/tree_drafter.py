@@ -15,7 +15,8 @@ that greedy verification accepts the whole path. An edge's probability is measur
 prior: `EDGE_PROB` holds the acceptance rate of candidates by their evidence (the longest
 n-gram that proposes the token and whether that n-gram was followed by it at least half the
 time; its rank among the recycled verifier candidates), counted over the W8A8 default
-model's greedy tree decoding of held-out prompts (`scripts/tree_edge_stats.py`). The tree is
+model's greedy tree decoding of held-out prompts (`scripts/tree_edge_stats.py`), and each
+sequence calibrates it on its own verified nodes (`PRIOR_WEIGHT`). The tree is
 grown best first: the `budget` likeliest nodes, where equal scores go to the more recent
 n-gram evidence. Scores never grow down a path, so every chosen node's parent is chosen too,
 and the nodes come out parents first (a `DraftTree`, with each node's score as `probs`, so
@@ -56,12 +57,28 @@ EDGE_PROB = {
 }
 
 
+Cell = tuple[int, bool, int]  # a cell of EDGE_PROB: (n, majority, rank column)
+
+
+def evidence_cell(n: int, count: int, total: int, rank: int | None) -> Cell:
+    """The EDGE_PROB cell of a candidate: the longest n-gram proposing it has length `n` (0:
+    none; more than 3 counts as 3) and was followed by it `count` of `total` times; `rank` is
+    its place among the recycled candidates (None: not among them)."""
+    return min(n, 3), n > 0 and 2 * count >= total, 3 if rank is None else min(rank, 2)
+
+
 def edge_prob(n: int, count: int, total: int, rank: int | None) -> float:
-    """EDGE_PROB of a candidate: the longest n-gram proposing it has length `n` (0: none; more
-    than 3 counts as 3) and was followed by it `count` of `total` times; `rank` is its place
-    among the recycled candidates (None: not among them)."""
-    column = 3 if rank is None else min(rank, 2)
-    return EDGE_PROB[min(n, 3)][n > 0 and 2 * count >= total][column]
+    """EDGE_PROB of a candidate (arguments as for `evidence_cell`)."""
+    n, majority, column = evidence_cell(n, count, total, rank)
+    return EDGE_PROB[n][majority][column]
+
+
+# How many observations the measured EDGE_PROB counts for against what the sequence at hand
+# shows. A text's own repeats are accepted more or less often than the held-out average (a
+# summary copying long spans of its source: 3-gram matches ~97% instead of 90%), so each
+# sequence calibrates the table on its own verified nodes: a cell's probability is
+# (PRIOR_WEIGHT * measured + accepted) / (PRIOR_WEIGHT + tested).
+PRIOR_WEIGHT = 16
 
 
 class NgramFollowers:
@@ -140,12 +157,38 @@ class TreeDrafter(Drafter):
         self.ngrams = NgramFollowers(self.n_min, self.n_max)
         self.recycled = RecyclingTable()
         self.ngrams.extend(prompt_ids)
+        self.outcomes: dict[Cell, list[int]] = {}  # cell -> [accepted, tested] in this sequence
+        self.proposed_cells: list[Cell] = []  # the cell of each node of the last proposed tree
 
     def extend(self, new_ids: list[int]) -> None:
         self.ngrams.extend(new_ids)
 
-    def observe(self, tokens: list[int], top_ids: list[list[int]]) -> None:
+    def observe(self, tokens: list[int], top_ids: list[list[int]], parents: list[int] | None = None) -> None:
         self.recycled.observe(tokens, top_ids)
+        if parents is not None and len(tokens) - 1 <= len(self.proposed_cells):
+            self._count_outcomes(tokens, top_ids, parents)
+
+    def _count_outcomes(self, tokens: list[int], top_ids: list[list[int]], parents: list[int]) -> None:
+        """Each verified node below the greedy path (row 0 and the nodes that match its
+        argmax chain) was tested: accepted when it is its parent row's argmax."""
+        on_path = {0}
+        for row in range(1, len(tokens)):
+            parent = parents[row]
+            if parent not in on_path:
+                continue
+            tally = self.outcomes.setdefault(self.proposed_cells[row - 1], [0, 0])
+            tally[1] += 1
+            if top_ids[parent] and tokens[row] == top_ids[parent][0]:
+                tally[0] += 1
+                on_path.add(row)
+
+    def cell_prob(self, cell: Cell) -> float:
+        """EDGE_PROB of `cell`, calibrated on this sequence's verified nodes (PRIOR_WEIGHT)."""
+        n, majority, column = cell
+        prior = EDGE_PROB[n][majority][column]
+        if (tally := self.outcomes.get(cell)) is None:
+            return prior
+        return (PRIOR_WEIGHT * prior + tally[0]) / (PRIOR_WEIGHT + tally[1])
 
     def candidates(self, path: Sequence[int]) -> dict[int, tuple[int, int, int, int, int | None]]:
         """The evidence for each candidate token after history + `path`: (n, count, total,
@@ -161,12 +204,15 @@ class TreeDrafter(Drafter):
         return {token: (*evidence.get(token, (0, 0, 0, -1)), ranks.get(token))
                 for token in evidence.keys() | ranks.keys()}
 
-    def edge_scores(self, path: Sequence[int]) -> list[tuple[float, int, int]]:
-        """Candidates for the token after history + `path`: (probability, recency, token),
-        best first; recency is the latest position of the longest n-gram evidence (-1 for
-        recycling only)."""
-        return sorted(((edge_prob(n, count, total, rank), pos, token)
-                       for token, (n, count, total, pos, rank) in self.candidates(path).items()), reverse=True)
+    def edge_scores(self, path: Sequence[int]) -> list[tuple[float, int, int, Cell]]:
+        """Candidates for the token after history + `path`: (probability, recency, token,
+        evidence cell), best first; recency is the latest position of the longest n-gram
+        evidence (-1 for recycling only)."""
+        scored = []
+        for token, (n, count, total, pos, rank) in self.candidates(path).items():
+            cell = evidence_cell(n, count, total, rank)
+            scored.append((self.cell_prob(cell), pos, token, cell))
+        return sorted(scored, reverse=True)
 
     def propose_tree(self, budget: int) -> DraftTree:
         budget = min(budget, self.budget)
@@ -174,22 +220,25 @@ class TreeDrafter(Drafter):
         parents: list[int] = []
         probs: list[float] = []
         paths: list[list[int]] = []
-        heap: list[tuple[float, int, int, int, int]] = []  # (-score, -recency, order, parent, token)
+        cells: list[Cell] = []
+        heap: list[tuple] = []  # (-score, -recency, order, parent, token, cell)
 
         def push_children(node: int, score: float, path: list[int]) -> None:
             # at most the nodes still to choose can be children of one node
-            for s, recency, token in self.edge_scores(path)[:budget - len(tokens)]:
-                heapq.heappush(heap, (-score * s, -recency, len(heap), node, token))
+            for s, recency, token, cell in self.edge_scores(path)[:budget - len(tokens)]:
+                heapq.heappush(heap, (-score * s, -recency, len(heap), node, token, cell))
 
         push_children(-1, 1.0, [])
         while heap and len(tokens) < budget:
-            neg_score, _, _, parent, token = heapq.heappop(heap)
+            neg_score, _, _, parent, token, cell = heapq.heappop(heap)
             node = len(tokens)
             tokens.append(token)
             parents.append(parent)
             probs.append(-neg_score)
+            cells.append(cell)
             paths.append((paths[parent] if parent >= 0 else []) + [token])
             push_children(node, -neg_score, paths[node])
+        self.proposed_cells = cells
         return DraftTree(tokens, parents, probs)
 
     def propose(self, k: int) -> list[int]:
