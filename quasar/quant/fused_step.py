@@ -183,6 +183,11 @@ VNNI_ROW_COST = 0.07
 _REFERENCE_BYTES = 135e6
 
 
+def int8_weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s int8 weights (every Int8Linear's in x out): what a step streams."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+
+
 def step_row_cost(model: nn.Module | None = None) -> float:
     """What one more row costs a fused W8A8 step of `model` on this CPU (Transformer.row_cost),
     as a fraction of a one-row step: this CPU's kernel's cost on the default model, scaled
@@ -198,7 +203,7 @@ def step_row_cost(model: nn.Module | None = None) -> float:
         return DEFAULT_ROW_COST
     if model is None:
         return base
-    weight_bytes = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+    weight_bytes = int8_weight_bytes(model)
     return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(weight_bytes, 1)) ** 0.5))
 
 
@@ -225,7 +230,7 @@ def step_key_cost(model: nn.Module) -> float:
     cfg = model.config
     elem = torch.finfo(model.kv_dtype or torch.float32).bits // 8
     key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-    weight_bytes = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+    weight_bytes = int8_weight_bytes(model)
     return key_bytes / max(weight_bytes, 1)
 
 

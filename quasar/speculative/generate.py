@@ -308,9 +308,9 @@ class Sequence:
         if self.adaptive and tree.is_chain:
             self.adaptive.update(len(tree), n_acc)
         if (k := self.drafter.observe_top_k):
-            row_tokens = [self.pending, *tree.tokens]
+            row_tokens, row_parents = self._rows()
             top = [ids[:k] for ids in top] if top is not None else logits.topk(k, dim=-1).indices.tolist()
-            self.drafter.observe(row_tokens, top, [-1, *(p + 1 for p in tree.parents)])
+            self.drafter.observe(row_tokens, top, row_parents)
 
         n_before, pieces = len(self.out.ids), []
         for i, token in enumerate(emitted):
