@@ -159,6 +159,7 @@ class TreeDrafter(Drafter):
         self.ngrams.extend(prompt_ids)
         self.outcomes: dict[Cell, list[int]] = {}  # cell -> [accepted, tested] in this sequence
         self.proposed_cells: list[Cell] = []  # the cell of each node of the last proposed tree
+        self._probs: dict[Cell, float] = {}  # cell_prob's answers until the outcomes change
 
     def extend(self, new_ids: list[int]) -> None:
         self.ngrams.extend(new_ids)
@@ -172,6 +173,7 @@ class TreeDrafter(Drafter):
         """Each verified node below the greedy path (row 0 and the nodes that match its
         argmax chain) was tested: accepted when it is its parent row's argmax."""
         on_path = {0}
+        self._probs.clear()
         for row in range(1, len(tokens)):
             parent = parents[row]
             if parent not in on_path:
@@ -184,11 +186,14 @@ class TreeDrafter(Drafter):
 
     def cell_prob(self, cell: Cell) -> float:
         """EDGE_PROB of `cell`, calibrated on this sequence's verified nodes (PRIOR_WEIGHT)."""
+        if (prob := self._probs.get(cell)) is not None:
+            return prob
         n, majority, column = cell
-        prior = EDGE_PROB[n][majority][column]
-        if (tally := self.outcomes.get(cell)) is None:
-            return prior
-        return (PRIOR_WEIGHT * prior + tally[0]) / (PRIOR_WEIGHT + tally[1])
+        prob = EDGE_PROB[n][majority][column]
+        if (tally := self.outcomes.get(cell)) is not None:
+            prob = (PRIOR_WEIGHT * prob + tally[0]) / (PRIOR_WEIGHT + tally[1])
+        self._probs[cell] = prob
+        return prob
 
     def candidates(self, path: Sequence[int]) -> dict[int, tuple[int, int, int, int, int | None]]:
         """The evidence for each candidate token after history + `path`: (n, count, total,
@@ -208,11 +213,29 @@ class TreeDrafter(Drafter):
         """Candidates for the token after history + `path`: (probability, recency, token,
         evidence cell), best first; recency is the latest position of the longest n-gram
         evidence (-1 for recycling only)."""
+        # `candidates` and `evidence_cell` inlined: this runs for every node of every tree
+        context = self.ngrams.history[-self.n_max:] + list(path)
+        ranked = self.recycled.get(context[-1]) if context else []
+        evidence: dict[int, tuple] = {}
+        tables = self.ngrams._table
+        for n in range(self.n_min, min(self.n_max, len(context)) + 1):  # the longest n wins
+            if (entry := tables[n].get(tuple(context[-n:]))) is not None:
+                total = entry[0]
+                for token, (count, pos) in entry[1].items():
+                    evidence[token] = (min(n, 3), 2 * count >= total, pos)
         scored = []
-        for token, (n, count, total, pos, rank) in self.candidates(path).items():
-            cell = evidence_cell(n, count, total, rank)
-            scored.append((self.cell_prob(cell), pos, token, cell))
-        return sorted(scored, reverse=True)
+        prob = self.cell_prob
+        for token, (n, majority, pos) in evidence.items():
+            cell = (n, majority, 3)
+            if token in ranked:
+                cell = (n, majority, min(ranked.index(token), 2))
+            scored.append((prob(cell), pos, token, cell))
+        for rank, token in enumerate(ranked):
+            if token not in evidence:
+                cell = (0, False, min(rank, 2))
+                scored.append((prob(cell), -1, token, cell))
+        scored.sort(reverse=True)
+        return scored
 
     def propose_tree(self, budget: int) -> DraftTree:
         budget = min(budget, self.budget)
@@ -237,7 +260,8 @@ class TreeDrafter(Drafter):
             probs.append(-neg_score)
             cells.append(cell)
             paths.append((paths[parent] if parent >= 0 else []) + [token])
-            push_children(node, -neg_score, paths[node])
+            if len(tokens) < budget:
+                push_children(node, -neg_score, paths[node])
         self.proposed_cells = cells
         return DraftTree(tokens, parents, probs)
 
