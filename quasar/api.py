@@ -25,7 +25,9 @@ from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_BATCH_ROWS, DEFAULT_CONTE
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
-from quasar.speculative.registry import drafter_class, drafter_options, make_drafter
+from quasar.quant.fused_step import AMX_PASS_ROWS, step_pass_rows
+from quasar.speculative.registry import (AUTO, check_drafter_name, drafter_class, drafter_options, make_drafter,
+                                         resolve_drafter)
 from quasar.speculative.batch import BatchDecoder, decode
 from quasar.speculative.drafters import Drafter
 from quasar.speculative.generate import Chunk, DecodeOptions, Result
@@ -71,7 +73,7 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         parse_verifier(verifier)
-        drafter_class(drafter)
+        check_drafter_name(drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
@@ -157,9 +159,9 @@ class LLM:
         `num_draft` and `adaptive` shape chain drafts; the tree drafter proposes up to
         `draft_budget` nodes per step instead. `logprobs=N` adds each output token's logprob
         and N alternatives to chunks and result (`quasar.speculative.logprobs`)."""
-        drafter = drafter or self.drafter
         verifier = verifier or self.verifier
         parse_verifier(verifier)
+        drafter = self.resolve_drafter(drafter, verifier)
         options = drafter_options(drafter, ngram_min=ngram_min, ngram_max=ngram_max, draft_budget=draft_budget)
         drafter_class(drafter).check_options(**options)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -170,6 +172,15 @@ class LLM:
         elif drafter == "tree":  # the step's node cap is the budget; adaptive k is a chain rule
             opts.num_draft, opts.adaptive = draft_budget, False
         return DecodePlan(drafter, verifier, options, opts)
+
+    def resolve_drafter(self, drafter: str | None, verifier: str) -> str:
+        """The drafter a call decodes with: `drafter` (None: this LLM's default), where "auto"
+        becomes tree drafts if `verifier` is the W8A8 model and its fused step takes 16 rows
+        in one pass over its weights (AMX tiles), else the chain (quasar.defaults.DEFAULT_DRAFTER)."""
+        drafter = drafter or self.drafter
+        if drafter != AUTO:
+            return resolve_drafter(drafter, False)
+        return resolve_drafter(drafter, verifier == "w8a8" and (step_pass_rows() or 0) >= AMX_PASS_ROWS)
 
     def new_drafter(self, plan: DecodePlan) -> Drafter:
         """A fresh drafter for one sequence of `plan`."""
@@ -234,7 +245,7 @@ class LLM:
         return [self._generation_result(r, options) for r in results]
 
     def _generation_result(self, result: Result, options: dict) -> GenerationResult:
-        drafter = options.get("drafter") or self.drafter
         verifier = options.get("verifier") or self.verifier
+        drafter = self.resolve_drafter(options.get("drafter"), verifier)
         return GenerationResult(result.text, result.token_ids, result.finish_reason, drafter, verifier,
                                 result.stats.as_dict())

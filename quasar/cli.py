@@ -63,7 +63,7 @@ def run_generate(args) -> int:
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                    num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    adaptive=args.adaptive, draft_budget=args.draft_budget)
-    llm.check_options(**{k: v for k, v in options.items() if k != "raw"})  # before any one-time work
+    plan = llm.check_options(**{k: v for k, v in options.items() if k != "raw"})  # before any one-time work
     # One-time work (quantizing or loading the W8A8 copy, loading its kernels) on its own
     # line, so the decode rate below is decoding only.
     seconds = llm.prepare(args.verifier, progress=sys.stderr.isatty())
@@ -81,7 +81,7 @@ def run_generate(args) -> int:
             sys.stdout.flush()
     s = result.stats
     print(file=sys.stdout)
-    print(f"[{args.drafter}+{args.verifier}] {s.new_tokens} tokens in {s.wall_s:.2f} s: "
+    print(f"[{plan.drafter}+{args.verifier}] {s.new_tokens} tokens in {s.wall_s:.2f} s: "
           f"{s.tokens_per_s:.1f} tokens/s, {s.steps} verifier steps, "
           f"mean accepted {s.mean_accepted:.2f} ({result.finish_reason})", file=sys.stderr)
     return 0

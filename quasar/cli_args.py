@@ -46,7 +46,9 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """Drafter, verifier and draft options of generate and serve."""
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="none | ngram | tree")
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER,
+                   help=f"auto | none | ngram | tree (default {DEFAULT_DRAFTER}: tree drafts where the W8A8 step's "
+                        "extra rows are cheap, on CPUs with AMX tiles, else ngram)")
     p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | pruned:F")
     add_draft_args(p)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,

@@ -277,3 +277,28 @@ def test_cli_generate_with_the_tree_drafter(char_llm, capsys):
     assert out["token_ids"] == char_llm.generate("abcabcab", raw=True, max_new_tokens=12, drafter="none").token_ids
     assert main([*args, "--draft-budget", "0"]) == 2
     assert "draft_budget must be an integer in [1, 64], got 0" in capsys.readouterr().err
+
+
+def test_auto_drafter_is_tree_on_the_w8a8_step_with_amx_tiles_else_ngram(char_llm):
+    """`auto` (the default) decodes with tree drafts only where the W8A8 fused step takes 16
+    rows in one pass (AMX), and every result names the drafter that actually ran."""
+    from quasar.quant import ext
+    from quasar.quant.fused_step import step_pass_rows
+
+    amx = (step_pass_rows() or 0) >= 16
+    assert char_llm.resolve_drafter("auto", "w8a8") == ("tree" if amx else "ngram")
+    assert char_llm.resolve_drafter("auto", "fp") == "ngram"  # the float verifier: the chain
+    assert char_llm.resolve_drafter(None, "w8a8") == "ngram"  # this LLM's own default
+    if amx:
+        before = ext.amx_min_rows(0)  # AMX off (as QUASAR_NO_AMX=1): every row a VNNI pass
+        try:
+            assert char_llm.resolve_drafter("auto", "w8a8") == "ngram"
+        finally:
+            ext.amx_min_rows(before)
+    out = char_llm.generate("abcabcab", raw=True, max_new_tokens=8, drafter="auto", verifier="w8a8")
+    assert out.drafter == ("tree" if amx else "ngram")
+    assert out.token_ids == char_llm.generate("abcabcab", raw=True, max_new_tokens=8, drafter="none",
+                                              verifier="w8a8").token_ids
+    assert char_llm.check_options(drafter="auto", verifier="fp").drafter == "ngram"
+    with pytest.raises(QuasarError, match="unknown drafter"):
+        LLM(str(char_llm.loaded.model_dir), drafter="autoo")

@@ -137,7 +137,7 @@ def test_no_drafter_and_factory():
     d = make_drafter("ngram", n_min=2, n_max=4, prefer="earliest")
     assert isinstance(d, NgramDrafter) and (d.n_min, d.n_max, d.prefer) == (2, 4, "earliest")
     assert d.name == "ngram" and make_drafter("none").name == "none"
-    with pytest.raises(QuasarError, match="known drafters: ngram, none"):
+    with pytest.raises(QuasarError, match="known drafters: auto, ngram, none, tree"):
         make_drafter("eagle")
     with pytest.raises(QuasarError):
         make_drafter("ngram", n_min=3, n_max=2)
@@ -560,3 +560,13 @@ def test_token_logprobs_rank_ties_by_token_id():
     assert [t for t, _ in out[2].top] == [0, 1]  # a flat row: the lowest ids
     assert [e.top for e in token_logprobs(rows, [4, 7, 0], top_n=0)] == [[], [], []]
     assert token_logprobs(rows[:0], [], top_n=5) == []
+
+
+def test_auto_drafter_resolves_to_tree_only_where_rows_are_cheap():
+    from quasar.speculative.registry import resolve_drafter
+
+    assert resolve_drafter("auto", True) == "tree" and resolve_drafter("auto", False) == "ngram"
+    for name in ("none", "ngram", "tree"):  # a named drafter is itself, whatever the hardware
+        assert resolve_drafter(name, True) == resolve_drafter(name, False) == name
+    with pytest.raises(QuasarError, match="unknown drafter 'eagle'"):
+        resolve_drafter("eagle", True)

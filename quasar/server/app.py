@@ -267,7 +267,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
         opts.update(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     seed=req.seed, stop=req.stop, logprobs=req.logprobs)
         try:
-            llm.check_options(**opts)
+            opts["drafter"] = llm.check_options(**opts).drafter  # "auto" resolved: what decodes
         except QuasarError as e:
             raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
         return opts

@@ -119,7 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
         app.state.scheduler.stop()
         raise
     url_host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"quasar: serving {app.state.model_name} ({args.drafter}+{args.verifier}, k={args.num_draft}, "
+    drafter = llm.resolve_drafter(None, args.verifier)
+    print(f"quasar: serving {app.state.model_name} ({drafter}+{args.verifier}, k={args.num_draft}, "
           f"batch {args.max_batch}) at "
           f"http://{url_host}:{args.port}/  (playground at /, API at /v1)", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -9,13 +9,31 @@ from quasar.speculative.drafters import Drafter, NgramDrafter, NoDrafter
 from quasar.speculative.tree_drafter import TreeDrafter
 
 _DRAFTERS: dict[str, type[Drafter]] = {"none": NoDrafter, "ngram": NgramDrafter, "tree": TreeDrafter}
+# Not a drafter but a choice between two: `resolve_drafter`.
+AUTO = "auto"
+
+
+def check_drafter_name(name: str) -> None:
+    """A QuasarError listing the known names unless `name` is a drafter or AUTO."""
+    if name != AUTO:
+        drafter_class(name)
+
+
+def resolve_drafter(name: str, rows_are_cheap: bool) -> str:
+    """The drafter `name` stands for: AUTO is "tree" when the verifier's extra rows are cheap
+    (quasar.defaults.DEFAULT_DRAFTER says where), else the chain "ngram"; any other name is
+    itself."""
+    check_drafter_name(name)
+    if name != AUTO:
+        return name
+    return "tree" if rows_are_cheap else "ngram"
 
 
 def drafter_class(name: str) -> type[Drafter]:
     """The drafter class called ``name``; a QuasarError lists the known ones."""
     cls = _DRAFTERS.get(name)
     if cls is None:
-        known = ", ".join(sorted(_DRAFTERS))
+        known = ", ".join(sorted([*_DRAFTERS, AUTO]))
         raise QuasarError(f"unknown drafter {name!r}; known drafters: {known}", param="drafter")
     return cls
 
