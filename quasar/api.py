@@ -32,6 +32,7 @@ from quasar.speculative.batch import BatchDecoder, decode
 from quasar.speculative.drafters import Drafter
 from quasar.speculative.generate import Chunk, DecodeOptions, Result
 from quasar.speculative.sampling import SamplingParams
+from quasar.speculative.tree_drafter import RecyclingTable
 from quasar.speculative.verifiers import build_verifier, parse_verifier
 
 
@@ -82,6 +83,7 @@ class LLM:
         self.max_batch = max_batch
         self.quant_options = quant_options or {}
         self._verifiers: dict[str, Transformer] = {}
+        self._recycled: dict[str, RecyclingTable] = {}
         self._lock = threading.RLock()
 
     @property
@@ -183,8 +185,21 @@ class LLM:
         return resolve_drafter(drafter, verifier == "w8a8" and (step_pass_rows() or 0) >= AMX_PASS_ROWS)
 
     def new_drafter(self, plan: DecodePlan) -> Drafter:
-        """A fresh drafter for one sequence of `plan`."""
-        return make_drafter(plan.drafter, **plan.drafter_options)
+        """A fresh drafter for one sequence of `plan`. Tree drafters share their verifier's
+        recycling table (`recycling_table`), except under seeded sampling, whose random draws
+        follow the drafts: its output must not depend on what was decoded before."""
+        options = dict(plan.drafter_options)
+        sampling = plan.options.sampling
+        if plan.drafter == "tree" and (sampling.greedy or sampling.seed is None):
+            options["recycled"] = self.recycling_table(plan.verifier)
+        return make_drafter(plan.drafter, **options)
+
+    def recycling_table(self, verifier: str) -> RecyclingTable:
+        """The token-recycling table the tree drafts of `verifier` share: the verifier's top-k
+        next tokens after each token it verified, kept across requests (as Token Recycling
+        keeps its matrix), so a request's first steps draft from earlier ones'. Greedy
+        output never depends on it (drafts are verified exactly)."""
+        return self._recycled.setdefault(verifier, RecyclingTable())
 
     def encode_checked(self, prompt: str | list[dict] | None, prompt_ids: list[int] | None, raw: bool) -> list[int]:
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt, raw)

@@ -256,3 +256,24 @@ def test_llamacpp_peer_counts_steps_without_llama_cpp():
     peer2.attach(_FakeLlama([1, 1, 1, 1]))
     r = peer2.run([1], max_new_tokens=50)
     assert r.token_ids == [100, 101, 102] and r.steps == 3 and r.step_tokens == 3 and dict(r.hist) == {1: 3}
+
+
+def test_tree_mode_runs_of_a_prompt_never_draft_from_their_own_decode(tiny_model):
+    """The bench's tree mode shares the recycling table across prompts, but each run of a
+    prompt (warm-up, repeats) starts from the table as it was before that prompt's first run:
+    the same drafts, the same steps, every time."""
+    from quasar.api import LLM
+    from quasar.bench.runner import BenchConfig, QuasarMode
+
+    llm = LLM(str(tiny_model("llama")), verifier="fp", max_context=128)
+    mode = QuasarMode("quasar-tree", llm, BenchConfig(num_draft=5, draft_budget=8))
+    mode.verifier = "fp"  # the float verifier: no quantization in this test
+    table = llm.recycling_table("fp")
+    ids = llm.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):", raw=True)
+    other = llm.encode("Once upon a time there was a", raw=True)
+    first = mode.run(ids, 12)
+    assert len(table) > 0  # the prompt's decode taught the shared table ...
+    mode.run(other, 12)
+    again = mode.run(ids, 12)  # ... but not its own later runs
+    assert (again.steps, again.hist, again.token_ids) == (first.steps, first.hist, first.token_ids)
+    assert mode.run(other, 12).steps == mode.run(other, 12).steps

@@ -302,3 +302,27 @@ def test_auto_drafter_is_tree_on_the_w8a8_step_with_amx_tiles_else_ngram(char_ll
     assert char_llm.check_options(drafter="auto", verifier="fp").drafter == "ngram"
     with pytest.raises(QuasarError, match="unknown drafter"):
         LLM(str(char_llm.loaded.model_dir), drafter="autoo")
+
+
+def test_tree_drafts_share_the_verifiers_recycling_table_except_seeded_sampling(char_llm):
+    """Greedy and unseeded tree drafts of one verifier share a recycling table across requests
+    (a request drafts from what earlier ones taught), which never changes greedy output;
+    seeded sampling keeps a private table, so its output does not depend on earlier requests."""
+    table = char_llm.recycling_table("fp")
+    greedy = char_llm.check_options(drafter="tree", verifier="fp")
+    assert char_llm.new_drafter(greedy).recycled is table
+    assert char_llm.new_drafter(char_llm.check_options(drafter="tree", verifier="fp", temperature=0.8)).recycled is table
+    seeded = char_llm.check_options(drafter="tree", verifier="fp", temperature=0.8, seed=4)
+    assert char_llm.new_drafter(seeded).recycled is not table
+    assert char_llm.recycling_table("w8a8") is not table  # each verifier has its own
+
+    table.table.clear()  # what earlier tests taught it
+    sample = dict(raw=True, max_new_tokens=24, drafter="tree", verifier="fp", temperature=0.9, seed=4)
+    first = char_llm.generate("abcabcab", **sample).token_ids
+    assert len(table) == 0  # seeded sampling taught its private table, not the shared one
+    for prompt in REPETITIVE:  # greedy requests teach the shared table
+        tree = char_llm.generate(prompt, raw=True, max_new_tokens=20, drafter="tree", verifier="fp")
+        assert tree.token_ids == char_llm.generate(prompt, raw=True, max_new_tokens=20, drafter="none",
+                                                   verifier="fp").token_ids
+    assert len(table) > 0
+    assert char_llm.generate("abcabcab", **sample).token_ids == first

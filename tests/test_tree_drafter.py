@@ -216,3 +216,22 @@ def test_rows_grow_dearer_with_the_context():
     costs = [row_cost_at(0.03, 1e-4, n) for n in (0, 1000, 5000, 50000, 10 ** 9)]
     assert costs == sorted(costs) and costs[-1] == pytest.approx(ROW_KEY_SHARE, rel=1e-3)
     assert row_cost_at(0.03, 0.0, 10 ** 6) == 0.03  # no key cost known: the flat row cost
+
+
+def test_a_shared_recycling_table_outlives_reset_and_a_private_one_does_not():
+    from quasar.speculative.tree_drafter import RecyclingTable
+
+    shared = RecyclingTable()
+    a, b, own = TreeDrafter(budget=4, recycled=shared), TreeDrafter(budget=4, recycled=shared), TreeDrafter(budget=4)
+    for d in (a, own):
+        d.reset([1, 2, 3])
+        d.observe([3, 9], [[9, 4], [5, 6]])
+    b.reset([7, 8, 3])  # another sequence: it drafts 3's recycled candidates from a's step
+    assert b.recycled is shared and b.propose_tree(1).tokens == [9]
+    a.reset([3])
+    assert a.recycled.get(3) == [9, 4]  # reset keeps a shared table ...
+    own.reset([3])
+    assert own.recycled.get(3) == [] and len(own.recycled) == 0  # ... and empties a private one
+    snapshot = shared.copy()
+    b.observe([3], [[1, 2]])
+    assert shared.get(3) == [1, 2] and snapshot.get(3) == [9, 4]  # a copy does not follow the table

@@ -168,8 +168,10 @@ class QuasarMode(Contender):
         self.drafter, self.verifier = MODES[name]
         draft = {"ngram": f"n-gram drafts (k={cfg.num_draft}, n={cfg.ngram_min}..{cfg.ngram_max})",
                  "tree": f"draft trees of n-gram matches and recycled verifier candidates ({cfg.draft_budget} "
-                         f"nodes, n={cfg.ngram_min}..{cfg.ngram_max})"}.get(self.drafter, "autoregressive")
+                         f"nodes, n={cfg.ngram_min}..{cfg.ngram_max}; the recycling table carries over from "
+                         "the prompts before, never a prompt's own decode)"}.get(self.drafter, "autoregressive")
         self.description = f"Quasar: {draft}, verifier {self.verifier}"
+        self._tables: dict[tuple[int, ...], object] = {}  # prompt -> the recycling table before its first run
 
     def prepare(self) -> None:
         try:  # builds the verifier once (w8a8: quantizes or loads it); one that cannot be built is reported
@@ -185,6 +187,14 @@ class QuasarMode(Contender):
         self.weights = f"{self.llm.loaded.model_dir} ({self.verifier}, {dtype})"
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
+        if self.drafter == "tree":
+            # Tree drafts share a recycling table across requests (LLM.recycling_table), as a
+            # server's would across its requests; but a prompt's warm-up and repeats must not
+            # draft from its own earlier decode: every run of a prompt starts from the table
+            # as it was before that prompt's first run.
+            table = self.llm.recycling_table(self.verifier)
+            before = self._tables.setdefault(tuple(prompt_ids), table.copy())
+            table.table = dict(before.table)
         res = self.llm.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0,
                                 drafter=self.drafter, verifier=self.verifier, num_draft=self.cfg.num_draft,
                                 ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max,

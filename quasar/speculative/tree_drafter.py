@@ -118,10 +118,20 @@ class NgramFollowers:
 
 class RecyclingTable:
     """token -> the verifier's top-k next tokens the last time a step verified that token
-    (the shallowest row when a step has it more than once: nearest the real context)."""
+    (the shallowest row when a step has it more than once: nearest the real context).
 
-    def __init__(self) -> None:
-        self.table: dict[int, list[int]] = {}
+    One table may serve many sequences of a verifier, one after another or in one batch, as
+    Token Recycling keeps its adjacency matrix across queries: a sequence's first steps then
+    draft from what earlier ones taught it instead of from nothing (`TreeDrafter(recycled=)`)."""
+
+    def __init__(self, table: dict[int, list[int]] | None = None) -> None:
+        self.table: dict[int, list[int]] = dict(table or {})
+
+    def copy(self) -> "RecyclingTable":
+        return RecyclingTable(self.table)  # the lists are replaced, never changed in place
+
+    def __len__(self) -> int:
+        return len(self.table)
 
     def observe(self, tokens: Sequence[int], top_ids: Sequence[Sequence[int]]) -> None:
         for tok, ids in reversed(list(zip(tokens, top_ids))):  # rows are parents first
@@ -133,15 +143,17 @@ class RecyclingTable:
 
 class TreeDrafter(Drafter):
     """Proposes a `DraftTree` of at most `budget` nodes from n-gram matches and recycled
-    verifier candidates (see the module docstring)."""
+    verifier candidates (see the module docstring). `recycled`: a table shared with other
+    sequences of the same verifier, kept across `reset` (None: the drafter's own, emptied)."""
 
     name = "tree"
     observe_top_k = DEFAULT_RECYCLE_TOP_K
 
     def __init__(self, budget: int = DEFAULT_DRAFT_BUDGET, n_min: int = DEFAULT_NGRAM_MIN,
-                 n_max: int = DEFAULT_NGRAM_MAX) -> None:
+                 n_max: int = DEFAULT_NGRAM_MAX, recycled: RecyclingTable | None = None) -> None:
         self.check_options(budget, n_min, n_max)
         self.budget, self.n_min, self.n_max = budget, n_min, n_max
+        self.shared_recycled = recycled
         self.reset([])
 
     @staticmethod
@@ -155,7 +167,7 @@ class TreeDrafter(Drafter):
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.ngrams = NgramFollowers(self.n_min, self.n_max)
-        self.recycled = RecyclingTable()
+        self.recycled = self.shared_recycled if self.shared_recycled is not None else RecyclingTable()
         self.ngrams.extend(prompt_ids)
         self.outcomes: dict[Cell, list[int]] = {}  # cell -> [accepted, tested] in this sequence
         self.proposed_cells: list[Cell] = []  # the cell of each node of the last proposed tree
