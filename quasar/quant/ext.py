@@ -269,6 +269,9 @@ def _load_or_build(so: Path) -> str:
         for stale in so.parent.glob("build-*"):  # left by a builder that was killed
             shutil.rmtree(stale, ignore_errors=True)
         env_path = _toolchain_path()
+        if sys.stderr.isatty():  # the one wait a new machine has before anything else shows
+            print("quasar: compiling the int8 kernels (once per machine and version, about a minute)...",
+                  file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(prefix="build-", dir=so.parent))
         try:
             try:
