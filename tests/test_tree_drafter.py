@@ -235,3 +235,5 @@ def test_a_shared_recycling_table_outlives_reset_and_a_private_one_does_not():
     snapshot = shared.copy()
     b.observe([3], [[1, 2]])
     assert shared.get(3) == [1, 2] and snapshot.get(3) == [9, 4]  # a copy does not follow the table
+    shared.restore(snapshot)
+    assert a.recycled.get(3) == b.recycled.get(3) == [9, 4]  # restored for every drafter sharing it

@@ -42,6 +42,7 @@ from quasar.bench.peers import PEERS, Contender, RunResult, Unavailable, make_pe
 from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
 from quasar.resources import peak_rss_gb
+from quasar.speculative.tree_drafter import RecyclingTable
 
 SCHEMA_VERSION = 2  # 2: duration_s became resources.seconds, beside resources.peak_rss_gb
 BASELINE = "ar-fp"
@@ -171,7 +172,7 @@ class QuasarMode(Contender):
                          f"nodes, n={cfg.ngram_min}..{cfg.ngram_max}; the recycling table carries over from "
                          "the prompts before, never a prompt's own decode)"}.get(self.drafter, "autoregressive")
         self.description = f"Quasar: {draft}, verifier {self.verifier}"
-        self._tables: dict[tuple[int, ...], object] = {}  # prompt -> the recycling table before its first run
+        self._tables: dict[tuple[int, ...], RecyclingTable] = {}  # prompt -> the table before its first run
 
     def prepare(self) -> None:
         try:  # builds the verifier once (w8a8: quantizes or loads it); one that cannot be built is reported
@@ -193,8 +194,7 @@ class QuasarMode(Contender):
             # draft from its own earlier decode: every run of a prompt starts from the table
             # as it was before that prompt's first run.
             table = self.llm.recycling_table(self.verifier)
-            before = self._tables.setdefault(tuple(prompt_ids), table.copy())
-            table.table = dict(before.table)
+            table.restore(self._tables.setdefault(tuple(prompt_ids), table.copy()))
         res = self.llm.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0,
                                 drafter=self.drafter, verifier=self.verifier, num_draft=self.cfg.num_draft,
                                 ngram_min=self.cfg.ngram_min, ngram_max=self.cfg.ngram_max,

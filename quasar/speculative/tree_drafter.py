@@ -130,6 +130,10 @@ class RecyclingTable:
     def copy(self) -> "RecyclingTable":
         return RecyclingTable(self.table)  # the lists are replaced, never changed in place
 
+    def restore(self, snapshot: "RecyclingTable") -> None:
+        """Make this table what `snapshot` (a `copy`) holds; drafters sharing it see the change."""
+        self.table = dict(snapshot.table)
+
     def __len__(self) -> int:
         return len(self.table)
 
