@@ -173,12 +173,17 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
 
 # Extra time per row of a fused step, as a fraction of a one-row step, measured with
 # scripts/step_rows.py on the 2-core development machines. Default model (135 MB of int8
-# weights): with AMX a 16-row step costs ~1.35-1.5x a one-row step (0.03 a row); with the
-# VNNI kernel alone 6 rows cost ~1.2-1.4x (0.07), more a further pass over each weight tile.
+# weights): with AMX a 16-row step costs ~1.35-1.5x a one-row step (~0.027 a row past the
+# second); with the VNNI kernel alone 6 rows cost ~1.2-1.4x (0.07), more a further pass over
+# each weight tile. AMX_ROW_COST prices rows a little under that, 0.02: with the recycling
+# table shared across requests, trees then decode ~1% faster at L +5% (3 interleaved runs,
+# 20 prompts x 2: 345.4 / 318.1 / 307.4 against 341.2 / 313.1 / 305.0 tokens/s at 0.03; 0.01
+# and 0.015 no better), the chain ~1% faster (288.1 vs 285.4): a path's probability, the
+# product of its edges', undervalues deep nodes of a text that repeats.
 # A row's work grows with the model like the step's bytes do, but its fixed share shrinks:
 # at 1.5B (1.54 GB) 16 rows cost 1.17x with AMX (0.011) and 6 rows 1.09x with VNNI (0.018),
 # about the default model's cost times sqrt(135 MB / bytes), which step_row_cost uses.
-AMX_ROW_COST = 0.03
+AMX_ROW_COST = 0.02
 VNNI_ROW_COST = 0.07
 _REFERENCE_BYTES = 135e6
 
