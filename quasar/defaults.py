@@ -3,8 +3,8 @@
 # "auto": tree drafts (`--drafter tree`) where a W8A8 step's extra rows are cheap (the fused
 # step on a CPU with AMX tiles), else the paper's chain (`ngram`). On this project's 2-core AMX
 # machine (`quasar bench`, greedy, 128 tokens, BENCHMARKS.md session 12) trees decode the
-# default model 1.05x the chain's tokens/s (1.01-1.09x per task), a 1.5B model 1.17x
-# (1.10-1.25x), a 5.3k-token prompt at parity; with the VNNI kernel alone, where every row is
+# default model 1.07x the chain's tokens/s (1.02-1.11x per task), a 1.5B model 1.18x
+# (1.07-1.31x), a 5.3k-token prompt at parity; with the VNNI kernel alone, where every row is
 # a further pass of arithmetic, 0.96x (interleaved A/B).
 DEFAULT_DRAFTER = "auto"
 DEFAULT_VERIFIER = "w8a8"
