@@ -180,9 +180,8 @@ class LLM:
         becomes tree drafts if `verifier` is the W8A8 model and its fused step takes 16 rows
         in one pass over its weights (AMX tiles), else the chain (quasar.defaults.DEFAULT_DRAFTER)."""
         drafter = drafter or self.drafter
-        if drafter != AUTO:
-            return resolve_drafter(drafter, False)
-        return resolve_drafter(drafter, verifier == "w8a8" and (step_pass_rows() or 0) >= AMX_PASS_ROWS)
+        cheap_rows = drafter == AUTO and verifier == "w8a8" and (step_pass_rows() or 0) >= AMX_PASS_ROWS
+        return resolve_drafter(drafter, cheap_rows)
 
     def new_drafter(self, plan: DecodePlan) -> Drafter:
         """A fresh drafter for one sequence of `plan`. Tree drafters share their verifier's

@@ -75,7 +75,10 @@ def test_followers_and_recycling_equal_the_oracles(seed):
     for _ in range(30):
         path = [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
         context = history + path
-        assert drafter.ngrams.followers(context) == brute_followers(history, context, 1, 3)
+        matches = list(drafter.ngrams.matches(context))
+        assert [n for n, _, _ in matches] == sorted(n for n, _, _ in matches)  # shortest first
+        assert {n: (total, {t: tuple(v) for t, v in seen.items()}) for n, total, seen in matches} \
+            == brute_followers(history, context, 1, 3)
     for token in range(8):
         assert drafter.recycled.get(token) == brute_recycled(steps, token)
 

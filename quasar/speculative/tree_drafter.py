@@ -30,7 +30,7 @@ O(budget * (n_max + candidates per node) * log) and never depends on the history
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_RECYCLE_TOP_K
 from quasar.errors import QuasarError
@@ -106,14 +106,13 @@ class NgramFollowers:
                 seen[1] = pos
             hist.append(tok)
 
-    def followers(self, context: Sequence[int]) -> dict[int, tuple[int, dict[int, tuple[int, int]]]]:
-        """n -> (total, {token: (count, latest position)}) for each n whose last-n-token
-        n-gram of `context` occurred in the history with a token after it."""
-        out = {}
+    def matches(self, context: Sequence[int]) -> Iterator[tuple[int, int, dict[int, list[int]]]]:
+        """(n, total, {token: [count, latest position]}) for each n, shortest first, whose
+        last-n-token n-gram of `context` occurred in the history with a token after it: the
+        table's own entries, to read, not to change."""
         for n, table in self._table.items():
             if len(context) >= n and (entry := table.get(tuple(context[len(context) - n:]))) is not None:
-                out[n] = (entry[0], {t: (c, p) for t, (c, p) in entry[1].items()})
-        return out
+                yield n, entry[0], entry[1]
 
 
 class RecyclingTable:
@@ -217,39 +216,23 @@ class TreeDrafter(Drafter):
         of `total` times, latest at `position` (-1: none); `rank` among the recycled
         candidates (None: not among them)."""
         context = self.ngrams.history[-self.n_max:] + list(path)
-        evidence: dict[int, tuple[int, int, int, int]] = {}
-        for n, (total, seen) in sorted(self.ngrams.followers(context).items()):  # the longest n wins
+        evidence: dict[int, tuple[int, int, int, int, int | None]] = {}
+        for n, total, seen in self.ngrams.matches(context):  # shortest first: the longest n wins
             for token, (count, pos) in seen.items():
-                evidence[token] = (n, count, total, pos)
-        ranks = {token: rank for rank, token in enumerate(self.recycled.get(context[-1]))} if context else {}
-        return {token: (*evidence.get(token, (0, 0, 0, -1)), ranks.get(token))
-                for token in evidence.keys() | ranks.keys()}
+                evidence[token] = (n, count, total, pos, None)
+        for rank, token in enumerate(self.recycled.get(context[-1]) if context else []):
+            n, count, total, pos, _ = evidence.get(token, (0, 0, 0, -1, None))
+            evidence[token] = (n, count, total, pos, rank)
+        return evidence
 
     def edge_scores(self, path: Sequence[int]) -> list[tuple[float, int, int, Cell]]:
         """Candidates for the token after history + `path`: (probability, recency, token,
         evidence cell), best first; recency is the latest position of the longest n-gram
         evidence (-1 for recycling only)."""
-        # `candidates` and `evidence_cell` inlined: this runs for every node of every tree
-        context = self.ngrams.history[-self.n_max:] + list(path)
-        ranked = self.recycled.get(context[-1]) if context else []
-        evidence: dict[int, tuple] = {}
-        tables = self.ngrams._table
-        for n in range(self.n_min, min(self.n_max, len(context)) + 1):  # the longest n wins
-            if (entry := tables[n].get(tuple(context[-n:]))) is not None:
-                total = entry[0]
-                for token, (count, pos) in entry[1].items():
-                    evidence[token] = (min(n, 3), 2 * count >= total, pos)
         scored = []
-        prob = self.cell_prob
-        for token, (n, majority, pos) in evidence.items():
-            cell = (n, majority, 3)
-            if token in ranked:
-                cell = (n, majority, min(ranked.index(token), 2))
-            scored.append((prob(cell), pos, token, cell))
-        for rank, token in enumerate(ranked):
-            if token not in evidence:
-                cell = (0, False, min(rank, 2))
-                scored.append((prob(cell), -1, token, cell))
+        for token, (n, count, total, pos, rank) in self.candidates(path).items():
+            cell = evidence_cell(n, count, total, rank)
+            scored.append((self.cell_prob(cell), pos, token, cell))
         scored.sort(reverse=True)
         return scored
 
