@@ -19,6 +19,12 @@ from typing import Callable
 from quasar.errors import QuasarError
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` via a temporary file in the same folder."""
     path = Path(path)
@@ -29,6 +35,7 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; a plain open() would not
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -50,6 +57,7 @@ def atomic_dir(out: str | Path, fill: Callable[[Path], None], exist_ok: bool = F
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         fill(tmp)
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a plain mkdir would not
         try:
             os.rename(tmp, out)
         except OSError:
