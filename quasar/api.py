@@ -100,7 +100,7 @@ class LLM:
         """The verifier `name`, built (for w8a8: quantized or loaded from the cache, its kernels
         compiled or loaded) and warmed up with one step, once."""
         if name not in self._verifiers:
-            model = build_verifier(name, lambda: self.model, self._w8a8)
+            model = build_verifier(name, self._float_model, self._w8a8)
             model.setup_cache(self.max_context, n_slots=self.max_batch)
             # One step now, so one-time work (loading the int8 kernels, packing weights) is
             # not timed as decoding later.
@@ -135,6 +135,13 @@ class LLM:
                 done.set()
                 ticker.join()
         return time.perf_counter() - t0
+
+    def _float_model(self) -> Transformer:
+        if self.loaded.quantized:  # its `model` is the int8 one: "fp" would silently time W8A8
+            raise QuasarError(f"{self.loaded.source} is a W8A8 checkpoint with no float weights; the fp and "
+                              "pruned verifiers need the float model (its directory or GGUF file)",
+                              param="verifier")
+        return self.model
 
     def _w8a8(self) -> Transformer:
         from quasar.quant.verifier import w8a8_verifier

@@ -11,6 +11,7 @@ import pytest
 
 from quasar.cli import main
 from quasar.defaults import DEFAULT_DRAFT_BUDGET
+from quasar.data.packages import default_model_path
 
 FAST = ["--threads", "1", "--max-new-tokens", "8", "--bandwidth-gb", "0.0625", "--no-progress"]
 
@@ -277,3 +278,33 @@ def test_tree_mode_runs_of_a_prompt_never_draft_from_their_own_decode(tiny_model
     again = mode.run(ids, 12)  # ... but not its own later runs
     assert (again.steps, again.hist, again.token_ids) == (first.steps, first.hist, first.token_ids)
     assert mode.run(other, 12).steps == mode.run(other, 12).steps
+
+
+def test_bench_on_a_w8a8_checkpoint(tiny_char_model, tmp_path, capsys):
+    """A W8A8 checkpoint has no float weights: ar-fp is reported unavailable (not run on the
+    int8 model under its name), the int8 modes run, nothing is relative to a missing baseline;
+    --gguf gives the llama.cpp peers their file."""
+    ckpt = tmp_path / "w8a8"
+    assert main(["quantize", "--model", str(tiny_char_model("llama")), "--out", str(ckpt), "--samples", "2",
+                 "--seq-len", "32", "--no-progress"]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abcabcabc"}) + "\n")
+    gguf = default_model_path()
+    res = _run_json(capsys, ["--model", str(ckpt), "--prompts", str(prompts), "--repeats", "1",
+                             "--modes", "ar-w8a8,quasar", "--peers", "llamacpp", "--gguf", str(gguf),
+                             "--out", str(tmp_path / "o"), *FAST])
+    assert set(res["modes"]) == {"ar-w8a8", "quasar"}
+    assert "no float weights" in res["unavailable"]["ar-fp"]
+    assert res["config"]["gguf"] == str(gguf)
+    if "llamacpp" in res["unavailable"]:  # llama-cpp-python is optional; the file was found
+        assert "GGUF" not in res["unavailable"]["llamacpp"]
+    for row in [*res["modes"].values(), *res["peers"].values()]:
+        assert row["speedup_vs_ar_fp"] is None and row["same_output_as_ar_fp"] is None
+    assert res["modes"]["quasar"]["tokens_per_s"] > 0
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "speedup.png" not in md
+
+
+def test_bench_gguf_must_be_a_gguf_file(tmp_path, capsys):
+    assert main(["bench", "--gguf", str(tmp_path / "missing.gguf"), "--peers", "none", *FAST]) == 2
+    assert "--gguf" in capsys.readouterr().err

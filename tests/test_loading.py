@@ -217,6 +217,10 @@ def test_w8a8_checkpoint_decodes_without_float_weights(tiny_char_model, tmp_path
     assert llm.loaded.float_loaded is False
     held = [llm.loaded.model, *llm._verifiers.values()]
     assert all(not _float_linears(m) for m in held), [_float_linears(m) for m in held]
+    for verifier in ("fp", "pruned:0.5"):  # not the int8 model under a float name
+        with pytest.raises(QuasarError, match="W8A8 checkpoint with no float weights") as err:
+            llm.generate("abc", raw=True, max_new_tokens=2, verifier=verifier)
+        assert err.value.param == "verifier"
 
 
 def test_w8a8_verifier_of_a_float_model_never_loads_float_weights(tiny_char_model):

@@ -46,10 +46,14 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default 128)")
     p.add_argument("--modes", default=",".join(MODE_NAMES),
                    type=lambda v: _names(v, MODE_NAMES, "mode", False),
-                   help=f"Quasar modes: {','.join(MODE_NAMES)} (default: all; ar-fp is always run as the baseline)")
+                   help=f"Quasar modes: {','.join(MODE_NAMES)} (default: all; ar-fp is always run as the baseline, "
+                        "except on a W8A8 checkpoint, which has no float weights)")
     p.add_argument("--peers", default=",".join(PEER_NAMES),
                    type=lambda v: _names(v, PEER_NAMES, "peer", True),
                    help=f"peers: {','.join(PEER_NAMES)}, all or none (default: all; unavailable ones are reported)")
+    p.add_argument("--gguf", metavar="FILE",
+                   help="GGUF file the llama.cpp peers decode: the same model as --model in llama.cpp's format "
+                        "(default: --model itself when it is a GGUF file or the default model)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and engine; the median is kept")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run of each engine")
     add_draft_args(p)
@@ -71,7 +75,7 @@ def run_bench_command(args) -> int:
         model=args.model, dtype=args.dtype, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
         n=args.n, max_new_tokens=args.max_new_tokens, modes=args.modes, peers=args.peers, repeats=args.repeats,
         warmup=args.warmup, num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-        draft_budget=args.draft_budget,
+        draft_budget=args.draft_budget, gguf=args.gguf,
         bandwidth_bytes=int(args.bandwidth_gb * 2**30), progress=args.progress,
         command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
     )

@@ -42,7 +42,7 @@ OPENVINO_PEERS = ("openvino", "openvino-pld")  # quasar/bench/openvino.py
 PEERS = HF_PEERS + LLAMACPP_PEERS + OPENVINO_PEERS
 HF_PLD_TOKENS = 10
 LLAMACPP_PLD_TOKENS = 2
-LLAMA_FTYPE_MOSTLY_Q8_0 = 7  # llama.h enum llama_ftype
+LLAMA_FTYPES = {"Q8_0": 7, "Q4_K_M": 15, "BF16": 32}  # llama.h enum llama_ftype
 
 
 class Unavailable(Exception):
@@ -212,23 +212,28 @@ def q8_0_copy(src: Path, threads: int) -> Path:
     """A Q8_0 copy of `src` made by llama.cpp's quantizer, cached beside the GGUF conversion."""
     from quasar.models.gguf import cache_dir_for
 
-    llama_cpp = _import_llama_cpp()
     out = cache_dir("llamacpp") / f"{cache_dir_for(src).name}.Q8_0.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        llamacpp_quantize(src, out, "Q8_0", threads)
+    return out
+
+
+def llamacpp_quantize(src: Path, out: Path, ftype: str, threads: int) -> None:
+    """Write `src` quantized by llama.cpp's own quantizer to `out` (ftype e.g. "Q8_0",
+    "Q4_K_M"; a source already quantized is requantized), via a temp file and a rename."""
+    llama_cpp = _import_llama_cpp()
     tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
-    params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_Q8_0", LLAMA_FTYPE_MOSTLY_Q8_0)
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}", LLAMA_FTYPES[ftype])
     params.allow_requantize = True  # the source may itself be quantized (Q4_1 for default)
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        raise Unavailable(f"llama.cpp could not quantize {src} to Q8_0 (return code {rc})")
+        raise Unavailable(f"llama.cpp could not quantize {src} to {ftype} (return code {rc})")
     os.replace(tmp, out)
-    return out
 
 
 class LlamaCppPeer(Contender):

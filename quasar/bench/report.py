@@ -214,24 +214,25 @@ def make_plots(results: dict, out: Path) -> tuple[dict[str, Path], str]:
     groups = [*results["tasks"], "overall"]
     sections = [*results["tasks"].values(), results]
     engines = [n for n in [*results["modes"], *results["peers"]] if n != "ar-fp"]
-    fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2.0 + 0.25 * len(groups) * max(1, len(engines)))), 4.5))
-    width = 0.8 / max(1, len(engines))
-    for i, name in enumerate(engines):
-        vals = []
-        for s in sections:
-            row = s["modes"].get(name) or s["peers"].get(name) or {}
-            vals.append(row.get("speedup_vs_ar_fp") or 0.0)
-        xs = [g + (i - (len(engines) - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, vals, width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="ar-fp")
-    ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylabel("speedup vs ar-fp (decode tokens/s)")
-    ax.set_title("Speedup per task")
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    paths["speedup"] = out / SPEEDUP_PNG
-    _save(fig, paths["speedup"])
-    plt.close(fig)
+    if "ar-fp" in results["modes"]:  # not on a W8A8 checkpoint, which has no float model
+        fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2.0 + 0.25 * len(groups) * max(1, len(engines)))), 4.5))
+        width = 0.8 / max(1, len(engines))
+        for i, name in enumerate(engines):
+            vals = []
+            for s in sections:
+                row = s["modes"].get(name) or s["peers"].get(name) or {}
+                vals.append(row.get("speedup_vs_ar_fp") or 0.0)
+            xs = [g + (i - (len(engines) - 1) / 2) * width for g in range(len(groups))]
+            ax.bar(xs, vals, width, label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="ar-fp")
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel("speedup vs ar-fp (decode tokens/s)")
+        ax.set_title("Speedup per task")
+        ax.legend(fontsize=8, ncol=2)
+        fig.tight_layout()
+        paths["speedup"] = out / SPEEDUP_PNG
+        _save(fig, paths["speedup"])
+        plt.close(fig)
 
     hists = {n: m["accepted_hist"] for n, m in [*results["modes"].items(), *results["peers"].items()]
              if m.get("accepted_hist")}

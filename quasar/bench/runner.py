@@ -65,6 +65,7 @@ CUSTOM_TASK = "custom"
 @dataclass
 class BenchConfig:
     model: str = "default"
+    gguf: str | None = None  # the llama.cpp peers' file (default: model, when it is a GGUF)
     dtype: str = "auto"
     threads: int | None = None
     tasks: list[str] = field(default_factory=lambda: ["code", "summarization", "qa", "math", "chat"])
@@ -94,6 +95,8 @@ class BenchConfig:
         if BASELINE not in self.modes:  # every speedup is relative to it
             self.modes = [BASELINE, *self.modes]
         self.modes = list(dict.fromkeys(self.modes))
+        if self.gguf and not (Path(self.gguf).expanduser().is_file() and self.gguf.lower().endswith(".gguf")):
+            raise QuasarError(f"--gguf {self.gguf}: not a .gguf file", param="gguf")
         self.peers = list(dict.fromkeys(self.peers))
         for name, value, low in (("--repeats", self.repeats, 1), ("--max-new-tokens", self.max_new_tokens, 1),
                                  ("--n", self.n if self.n is not None else 1, 1),
@@ -335,10 +338,10 @@ def _summaries(per_prompt: list[dict], engines: list[Contender], bandwidth_gbps:
     for e in engines:
         recs = [p["engines"][e.name] for p in per_prompt]
         out["modes" if e.kind == "mode" else "peers"][e.name] = aggregate(recs, e.bytes_per_step, bandwidth_gbps)
-    base = out["modes"][BASELINE]["tokens_per_s"]
+    base = out["modes"].get(BASELINE, {}).get("tokens_per_s")
     for group in ("modes", "peers"):
         for row in out[group].values():
-            row["speedup_vs_ar_fp"] = row["tokens_per_s"] / base if base > 0 else None
+            row["speedup_vs_ar_fp"] = row["tokens_per_s"] / base if base else None
     return out
 
 
@@ -379,6 +382,8 @@ def _progress(total: int, enabled: bool):
 
 
 def _gguf_source(cfg: BenchConfig) -> tuple[Path | None, str]:
+    if cfg.gguf:
+        return Path(cfg.gguf).expanduser(), ""
     if cfg.model == "default":
         from quasar.data.packages import default_model_path
 
@@ -386,7 +391,7 @@ def _gguf_source(cfg: BenchConfig) -> tuple[Path | None, str]:
     path = Path(cfg.model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path, ""
-    return None, "the model is a Hugging Face directory, not a GGUF file"
+    return None, "the model is a Hugging Face directory, not a GGUF file (give one with --gguf)"
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -399,10 +404,10 @@ def run_bench(cfg: BenchConfig) -> dict:
     torch.set_num_threads(threads)
     llm = LLM(cfg.model, dtype=cfg.dtype, threads=threads)
     prompts, warnings = load_prompts(cfg, llm)
+    gguf_path, why_no_gguf = _gguf_source(cfg)
 
     bandwidths = [bw.measure_read_bandwidth(cfg.bandwidth_bytes, cfg.bandwidth_repeats, threads)]
 
-    gguf_path, why_no_gguf = _gguf_source(cfg)
     n_ctx = max(len(p.ids) for p in prompts) + cfg.max_new_tokens + 64
     candidates: list[Contender] = [QuasarMode(m, llm, cfg) for m in cfg.modes]
     candidates += make_peers(cfg.peers, model_dir=llm.loaded.model_dir, dtype=llm.loaded.dtype,
@@ -420,7 +425,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 if cfg.warmup:
                     e.run(warm_prompt.ids, warm_tokens)
             except Unavailable as exc:
-                if e.name == BASELINE:
+                if e.name == BASELINE and not llm.loaded.quantized:  # a W8A8 checkpoint has no float model
                     raise QuasarError(f"baseline {BASELINE} cannot run: {exc}") from None
                 unavailable[e.name] = f"unavailable: {exc}"
                 bar.total -= len(prompts) * cfg.repeats
@@ -442,9 +447,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             recs = {e.name: _median_run(runs[e.name], len(p.ids),
                                         kv_token_bytes(getattr(e, "kv_config", llm.config), e.kv_element_size))
                     for e in engines}
-            base_ids = recs[BASELINE]["token_ids"]
+            base_ids = recs[BASELINE]["token_ids"] if BASELINE in recs else None
             for name, rec in recs.items():
-                rec["same_as_ar_fp"] = rec["token_ids"] == base_ids
+                rec["same_as_ar_fp"] = None if base_ids is None else rec["token_ids"] == base_ids
                 if not rec["deterministic"]:
                     warnings.append(f"{name} gave different tokens across repeats on prompt {p.id}")
             per_prompt.append({"task": p.task, "id": p.id, "prompt_tokens": len(p.ids), "chat": p.chat,
