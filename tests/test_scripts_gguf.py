@@ -1,0 +1,95 @@
+"""scripts/random_model_gguf.py: a random model written as GGUF holds the same weights under
+llama.cpp's names (read back by Quasar's own GGUF reader), the same config, norms in float32,
+and llama.cpp itself loads and quantizes it when llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quasar.data.packages import default_model_path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+mrm = _load("make_random_model")
+rmg = _load("random_model_gguf")
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3-shaped random model with the default model's tokenizer (49,152 tokens)."""
+    cfg = dict(mrm.CONFIGS["qwen3-8b"], num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152)
+    return mrm.write_random_model(tmp_path_factory.mktemp("rand") / "m", cfg, "bf16", seed=1,
+                                  tokenizer=default_model_path(), max_shard_bytes=2_000_000)
+
+
+def _stored(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_gguf_round_trips_through_quasars_reader(tmp_path, random_model):
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from quasar.models.gguf import gguf_to_hf_dir
+
+    path = tmp_path / "m.gguf"
+    rmg.write_gguf(random_model, path, default_model_path())
+    types = {t.name: t.tensor_type for t in GGUFReader(str(path)).tensors}
+    assert types["blk.1.ffn_down.weight"] == GGMLQuantizationType.BF16
+    assert types["blk.0.attn_k_norm.weight"] == types["output_norm.weight"] == GGMLQuantizationType.F32
+    assert "output.weight" in types  # qwen3-8b's lm_head is untied
+
+    converted = gguf_to_hf_dir(path)
+    src, back = _stored(random_model), _stored(converted)
+    assert set(src) == set(back)
+    for name, t in src.items():
+        assert torch.equal(back[name].float(), t.float()), name
+    a, b = (json.loads((d / "config.json").read_text()) for d in (random_model, converted))
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "tie_word_embeddings"):
+        assert a[key] == b[key], key
+
+
+def test_llamacpp_loads_and_quantizes_it(tmp_path, random_model):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (scripts/install_llamacpp.sh)")
+    import llama_cpp
+
+    from quasar.bench.peers import llamacpp_quantize
+
+    bf16, q8 = tmp_path / "m.gguf", tmp_path / "m.Q8_0.gguf"
+    rmg.write_gguf(random_model, bf16, default_model_path())
+    llamacpp_quantize(bf16, q8, "Q8_0", threads=1)
+    assert q8.stat().st_size < bf16.stat().st_size
+    llm = llama_cpp.Llama(str(q8), n_ctx=64, n_threads=1, verbose=False)
+    assert llm.n_vocab() == 49152
+    out = llm.create_completion("Hello", max_tokens=4, temperature=0.0)
+    assert out["usage"]["completion_tokens"] >= 1
+
+
+def test_only_qwen_architectures(tmp_path, random_model):
+    bad = tmp_path / "llama"
+    bad.mkdir()
+    cfg = json.loads((random_model / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+    with pytest.raises(ValueError, match="only qwen2, qwen3"):
+        rmg.write_gguf(bad, tmp_path / "x.gguf", default_model_path())
