@@ -27,10 +27,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from quasar.models.gguf import GLOBAL_NAMES, LAYER_NAMES  # noqa: E402
-from quasar.models.safetensors_mmap import mmap_safetensors  # noqa: E402
+from quasar.models.gguf import GLOBAL_NAMES, LAYER_NAMES
+from quasar.models.safetensors_mmap import mmap_safetensors
 
 ARCHES = ("qwen2", "qwen3")
 TYPES = ("BF16", "Q8_0", "Q4_K_M")
@@ -125,7 +123,7 @@ def main() -> None:
                     help="the GGUF the model's tokenizer came from (default: the Qwen2.5 GGUF of get_model.sh)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script
     from make_random_model import default_tokenizer
 
     tokenizer = args.tokenizer or default_tokenizer()
