@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from quasar.errors import QuasarError
 from quasar.models.gguf import GLOBAL_NAMES, LAYER_NAMES
-from quasar.models.safetensors_mmap import mmap_safetensors
+from quasar.models.hf import read_safetensors, weight_files
 
 ARCHES = ("qwen2", "qwen3")
 TYPES = ("BF16", "Q8_0", "Q4_K_M")
@@ -42,14 +43,6 @@ def gguf_name(hf_name: str) -> str:
         _, _, layer, rest = base.split(".", 3)
         return f"blk.{layer}.{GGUF_NAMES[rest]}.{suffix}"
     return f"{GGUF_NAMES[base]}.{suffix}"
-
-
-def weight_files(model: Path) -> list[Path]:
-    index = model / "model.safetensors.index.json"
-    if index.is_file():
-        names = json.loads(index.read_text())["weight_map"].values()
-        return [model / n for n in dict.fromkeys(names)]
-    return [model / "model.safetensors"]
 
 
 def as_gguf_array(t: torch.Tensor):
@@ -94,9 +87,7 @@ def write_gguf(model: Path, out: Path, tokenizer_gguf: Path) -> None:
             sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), field.types[0], sub)
 
-    tensors = {}
-    for path in weight_files(model):
-        tensors.update(mmap_safetensors(path))  # views of private maps: nothing is read yet
+    tensors = read_safetensors(weight_files(model))  # views of private maps: nothing is read yet
     if cfg.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     for name, t in tensors.items():
@@ -146,7 +137,7 @@ def main() -> None:
                 llamacpp_quantize(float_tmp, args.out, args.type, args.threads)
             except Unavailable as e:
                 sys.exit(f"random_model_gguf: {e}")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, QuasarError) as e:
         sys.exit(f"random_model_gguf: {e}")
     finally:
         float_tmp.unlink(missing_ok=True)

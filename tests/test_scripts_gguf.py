@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from quasar.data.packages import default_model_path
+from quasar.models.hf import read_safetensors, weight_files
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -39,12 +40,7 @@ def random_model(tmp_path_factory) -> Path:
 
 
 def _stored(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
+    return read_safetensors(weight_files(model_dir))
 
 
 def test_gguf_round_trips_through_quasars_reader(tmp_path, random_model):
