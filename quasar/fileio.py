@@ -20,7 +20,9 @@ from quasar.errors import QuasarError
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    # The only portable way to read the umask is to set it. Set the most private one meanwhile:
+    # a file another thread creates in that instant comes out private, never more open.
+    mask = os.umask(0o077)
     os.umask(mask)
     return mask
 
