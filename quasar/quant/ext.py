@@ -16,9 +16,19 @@ directory's ``lock`` file, then moves the library into place with an atomic rena
 processes that start meanwhile wait on the lock and then load the finished library. A
 killed builder releases the lock with its process and leaves no partial library behind.
 
-Small M: on a CPU with AVX512-VNNI the op computes M <= 16 rows (the speculative verifier's
-k + 1 tokens) with a hand-written kernel that reads the weight once, instead of oneDNN's
-``_int_mm`` (several times its M = 1 cost there); the int32s and hence the outputs are the same bits.
+Kernel paths (``csrc/cpu_features.h``): ``portable`` (plain C++, any CPU), ``avx2``,
+``avx-vnni``, ``avx512-vnni`` and ``amx``; the op runs the highest one the CPU has, or the
+highest at or below ``QUASAR_ISA`` (so a test or a benchmark can force a lower path on a
+CPU with a higher one). Every path computes the same exact int32 sums, so the int8 GEMMs
+give the same bits on all of them; the fused decoder step's float kernels (norms,
+attention) have one order on the AVX512 paths and another, shared, on avx2 / avx-vnni /
+portable. :func:`kernel_path` names the path that runs ("pytorch" without the op).
+
+Small M: the op computes M <= 16 rows (the speculative verifier's k + 1 tokens) with a
+hand-written kernel that reads the weight once, instead of oneDNN's ``_int_mm`` (several
+times its M = 1 cost on AVX512-VNNI); the int32s and hence the outputs are the same bits.
+Below the AVX512 paths the kernel takes every M: oneDNN's int8 GEMM without VNNI makes its
+sums with saturating int16 pairs (wrong), and the kernel is exact on every path.
 :func:`small_m_max` reads or sets the threshold (0: always oneDNN), for benchmarks and tests.
 On a CPU with AMX-INT8 the same kernel computes steps of 2 or more rows with tile matrix
 multiplies (:func:`amx_min_rows`; ``QUASAR_NO_AMX=1`` keeps it off): the same exact int32
@@ -35,6 +45,7 @@ digest (delete the directory to retry), so it costs later processes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -46,7 +57,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -54,7 +65,12 @@ from quasar.paths import cache_dir
 
 __all__ = [
     "ENV_DISABLE",
+    "ENV_ISA",
     "ENV_NO_AMX",
+    "KERNEL_PATHS",
+    "cpu_runs",
+    "forced_kernel_path",
+    "kernel_path",
     "build_dir",
     "disabled",
     "info",
@@ -76,12 +92,17 @@ log = logging.getLogger(__name__)
 
 ENV_DISABLE = "QUASAR_NO_EXT"
 ENV_NO_AMX = "QUASAR_NO_AMX"  # keep AMX off (the VNNI kernel for every row count)
+ENV_ISA = "QUASAR_ISA"  # the highest kernel path to use (KERNEL_PATHS), e.g. avx2
+# The C++ kernel paths, lowest first (csrc/cpu_features.h).
+KERNEL_PATHS = ("portable", "avx2", "avx-vnni", "avx512-vnni", "amx")
+PYTORCH_PATH = "pytorch"  # what kernel_path() says when the op is unavailable
 NAME = "int8_linear"
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One library: the linear op, the whole-layer op of quasar.quant.fused_step built on the
 # same GEMM (int8_gemm.h), and the per-row argmax / top-k of a step's logits. The cache digest covers every file here.
-SOURCES = (CSRC / f"{NAME}.cpp", CSRC / "decoder_layer.cpp", CSRC / "row_select.cpp")
-HEADERS = (CSRC / "int8_gemm.h",)
+SOURCES = tuple(CSRC / f for f in (f"{NAME}.cpp", "cpu_features.cpp", "gemm_avx2.cpp", "gemm_portable.cpp",
+                                    "decoder_layer.cpp", "step_avx2.cpp", "step_portable.cpp", "row_select.cpp"))
+HEADERS = tuple(CSRC / f for f in ("int8_gemm.h", "cpu_features.h", "step_kernels.h", "step_vec8.inc"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for
@@ -110,8 +131,56 @@ def int8_linear_op() -> Callable[..., torch.Tensor] | None:
     return _op
 
 
+def requested_kernel_path() -> str | None:
+    """The path ``QUASAR_ISA`` asks for (None when unset); a QuasarError names the choices."""
+    value = os.environ.get(ENV_ISA, "").strip().lower()
+    if not value:
+        return None
+    aliases = {"avx512": "avx512-vnni", "avx512vnni": "avx512-vnni", "avxvnni": "avx-vnni", "scalar": "portable"}
+    value = aliases.get(value, value)
+    if value not in KERNEL_PATHS:
+        from quasar.errors import QuasarError
+
+        raise QuasarError(f"{ENV_ISA} must be one of {', '.join(KERNEL_PATHS)}; got {os.environ[ENV_ISA]!r}")
+    return value
+
+
+def kernel_path() -> str:
+    """The kernel path the int8 ops run now: one of KERNEL_PATHS ("amx" only while AMX is on,
+    see :func:`amx_min_rows`), or "pytorch" when the op is unavailable."""
+    if int8_linear_op() is None:
+        return PYTORCH_PATH
+    path = str(torch.ops.quasar_quant.kernel_path())
+    return "avx512-vnni" if path == "amx" and amx_min_rows() == 0 else path
+
+
+def cpu_runs(path: str) -> bool:
+    """Whether this CPU can run kernel path ``path`` (False without the op, except "pytorch")."""
+    if path == PYTORCH_PATH:
+        return True
+    if path not in KERNEL_PATHS:
+        raise ValueError(f"unknown kernel path {path!r}")
+    return int8_linear_op() is not None and bool(torch.ops.quasar_quant.cpu_runs_path(path))
+
+
+@contextlib.contextmanager
+def forced_kernel_path(path: str) -> Iterator[str]:
+    """Run the ops on ``path`` (the highest path at or below it this CPU runs) inside the
+    block, for tests and benchmarks; yields the path that runs. Models set up inside (their KV
+    cache dtype, their fused-step plan) belong to it: build them inside the block."""
+    if path not in KERNEL_PATHS:
+        raise ValueError(f"unknown kernel path {path!r}")
+    if int8_linear_op() is None:
+        raise RuntimeError("the int8 C++ op is unavailable")
+    before = str(torch.ops.quasar_quant.kernel_path())
+    try:
+        yield str(torch.ops.quasar_quant.kernel_path(path))
+    finally:
+        torch.ops.quasar_quant.kernel_path(before)
+
+
 def small_m_supported() -> bool:
-    """True when the loaded op runs small M on its AVX512-VNNI kernel (False without op)."""
+    """True when the op is loaded: its small-M kernel runs on every kernel path (False without op)."""
     return int8_linear_op() is not None and bool(torch.ops.quasar_quant.int8_small_m_supported())
 
 
@@ -142,8 +211,8 @@ def amx_min_rows(value: int | None = None) -> int:
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [N, K] int8 in the small-M kernel's tile layout (int8, 1-D), or None when
-    that kernel does not run here (no op, or a CPU without AVX512-VNNI)."""
+    """``weight`` [N, K] int8 in the small-M kernel's tile layout (int8, 1-D; the same on every
+    kernel path), or None without the op."""
     if not small_m_supported():
         return None
     return torch.ops.quasar_quant.int8_pack_tiles(weight)
@@ -166,7 +235,8 @@ def parallel_threads() -> int:
 
 
 def bf16_kv_supported() -> bool:
-    """True when the decoder op takes a bfloat16 KV cache here (AVX512-BF16; False without op)."""
+    """True when the decoder op takes a bfloat16 KV cache here (AVX512-BF16 on an AVX512 kernel
+    path; False without op)."""
     return small_m_supported() and bool(torch.ops.quasar_quant.w8a8_bf16_supported())
 
 
@@ -184,8 +254,8 @@ def amx_attention_supported() -> bool:
 
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.quasar_quant.w8a8_decoder_layers`` when the op is loaded and this CPU
-    runs it (AVX512-VNNI), else None."""
+    """``torch.ops.quasar_quant.w8a8_decoder_layers`` when the op is loaded (it runs on every
+    kernel path), else None."""
     return torch.ops.quasar_quant.w8a8_decoder_layers if small_m_supported() else None
 
 
@@ -218,6 +288,7 @@ def _digest() -> str:
 
 def _load() -> None:
     global _op
+    requested = requested_kernel_path()  # a bad QUASAR_ISA is the user's error, not a fallback
     with _lock:
         if _info:
             return
@@ -227,6 +298,12 @@ def _load() -> None:
             path = build_dir() / f"{NAME}.so"
             state = _load_or_build(path)
             op = torch.ops.quasar_quant.int8_linear
+            if requested is not None:
+                torch.ops.quasar_quant.kernel_path(requested)
+            from quasar.quant.kernels import exact_cpu_variants
+
+            # oneDNN serves long steps on the AVX512 paths only where its sums are exact
+            torch.ops.quasar_quant.int8_onednn_exact(int("s8" in exact_cpu_variants()))
             if os.environ.get(ENV_NO_AMX, "").strip() not in ("", "0"):
                 torch.ops.quasar_quant.int8_amx_min_rows(0)
             _self_check(op)

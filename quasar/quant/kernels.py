@@ -169,7 +169,7 @@ def _pick(single_row: bool, k: int) -> str:
 class CpuPacked(NamedTuple):
     """The ``cpu`` backend's layout: the variant for M == 1 and for M > 1, the weight itself
     (s8 reads its column-major view), u8x's correction 128 * rowsum(W) (or None), and the
-    weight in the small-M VNNI kernel's tile layout (None where that kernel does not run)."""
+    weight in the C++ op's tile layout (None without the op)."""
 
     one: str
     many: str
@@ -183,7 +183,7 @@ def cpu_pack(weight: Tensor) -> CpuPacked:
     one, many = _pick(True, k), _pick(False, k)
     from quasar.quant import ext
 
-    tiles = ext.pack_tiles(weight) if "reference" not in (one, many) else None
+    tiles = ext.pack_tiles(weight)  # None only without the C++ op
     comp = u8x_pack(weight)[1] if "u8x" in (one, many) or tiles is not None else None
     if tiles is not None:
         # Steps of up to 16 rows read only the tiles, and longer ones are rare (the fused
@@ -206,10 +206,11 @@ def cpu_mm(qx: Tensor, packed: CpuPacked) -> Tensor:
 
 
 def cpu_fused(packed: CpuPacked) -> tuple | None:
-    """The C++ op of ``quasar.quant.ext`` with the same variant choice as ``cpu_mm``, or
-    None (disabled, not buildable, or K == 1 / no exact variant: ``reference``)."""
+    """The C++ op of ``quasar.quant.ext`` with the same variant choice as ``cpu_mm``, or None
+    (disabled or not buildable). Where no oneDNN variant is exact (``reference``: CPUs
+    without VNNI) the op's own kernel computes every M, exactly; K == 1 it takes as well."""
     one, many, _, comp, tiles = packed
-    if "reference" in (one, many):
+    if tiles is None:
         return None
     from quasar.quant import ext
 

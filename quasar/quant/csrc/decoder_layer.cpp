@@ -29,6 +29,7 @@
 // library itself is built without -march flags.
 
 #include "int8_gemm.h"
+#include "step_kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -57,10 +58,12 @@ namespace {
 // Rows of a verifier step (a chain or a token tree: the pending token and its draft nodes);
 // longer prefills use the PyTorch path. fused_step.MAX_ROWS is the same number.
 constexpr int64_t kMaxRows = 128;
-// Most query vectors one attention call takes (the rest go to further calls). Each call
-// streams (and for a bf16 cache transposes) its kv head's keys once: 32 made a 5.3k-token
-// prefill 1.2x faster than 16; 64 was no better.
-constexpr int64_t kMaxGroupQueries = 32;
+// Most query vectors one attention call takes (step_kernels.h). Each call streams (and for
+// a bf16 cache transposes) its kv head's keys once: 32 made a 5.3k-token prefill 1.2x faster
+// than 16; 64 was no better.
+using quasar::step::kMaxGroupQueries;
+using quasar::step::KeyMap;
+using quasar::step::key_row;
 // Keys per attention block of a bfloat16-cache step: a long context's keys are split into
 // blocks at fixed key indices, each block one work item for every query of its kv head,
 // and the blocks' partial results are joined per query (combine_blocks). Why: splitting a
@@ -165,23 +168,6 @@ QUASAR_AVX512 inline __m512 sum16(const __m512* a) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), out);
 }
 
-// Where query i's logical key j lives in the cache (rows.py: a row attends to its slot's
-// committed cache, then to its path): row j below splits[i], row tails[i][j - splits[i]]
-// from there. A chain's rows have no tail (splits = n); a tree row's tail is the part of its
-// path that does not directly follow the committed cache. Only the address changes: the
-// arithmetic over logical keys is the same, so a tree row's result is bitwise that of the
-// one-token step on its path (whose keys are the same values, committed in path order).
-struct KeyMap {
-  const int64_t* splits;
-  const int64_t* const* tails;
-};
-
-template <bool Paths>
-inline int64_t key_row(const KeyMap& keys, int64_t i, int64_t j) {
-  if constexpr (Paths) return j < keys.splits[i] ? j : keys.tails[i][j - keys.splits[i]];
-  return j;
-}
-
 // Attention of several query vectors that share one kv head (the heads of a GQA group and
 // the rows of a step): out_i = softmax(q_i . K[0..n_i) * scale) V over query i's logical keys
 // (see KeyMap; Paths = false: every query's keys are rows 0..n_i), K and V [S, 16C] rows.
@@ -283,8 +269,7 @@ QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, const
   }
 }
 
-using AttendFn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, int64_t,
-                          const float*, const float*, float, float*, int64_t, float*);
+using AttendFn = quasar::step::AttendF32Fn;
 
 template <bool Paths>
 AttendFn attend_for(int64_t d) {
@@ -962,9 +947,10 @@ bool amx_bf16_supported() {
 }
 #endif
 
+// A bf16 KV cache: on the AVX512 paths of a CPU with AVX512-BF16.
 bool bf16_supported() {
-  static const bool ok = quasar::cpu_has_vnni() && __builtin_cpu_supports("avx512bf16");
-  return ok;
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return ok && quasar::path_at_least(quasar::KernelPath::kAvx512Vnni);
 }
 
 // act[r, c] = silu(gu[r, c]) * gu[r, inter + c]: gate and up side by side in gu.
@@ -990,7 +976,26 @@ QUASAR_AVX512 void add_into(float* x, const float* y, int64_t n) {
   }
 }
 
+AttendFn attend_f32_avx512(int64_t d, bool paths) { return paths ? attend_for<true>(d) : attend_for<false>(d); }
+
+#else  // not x86: the portable path alone, and no bf16 cache
+bool bf16_supported() { return false; }
+using AttendBf16Fn = void (*)(const float* const*, const int64_t*, const KeyMap&, float* const*, float* const*,
+                              int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*, float, float*, uint16_t*,
+                              int64_t, float*);
+template <bool Paths>
+AttendBf16Fn attend_bf16_for(int64_t) { return nullptr; }
+inline void to_bf16(const float*, int64_t, uint16_t*) {}
+inline void combine_blocks(const float*, int64_t, int64_t, float*) {}
 #endif  // QUASAR_LAYER_KERNEL
+
+// The float kernels of the active kernel path (step_kernels.h).
+const quasar::step::FloatKernels& float_kernels() {
+  using quasar::KernelPath;
+  if (quasar::path_at_least(KernelPath::kAvx512Vnni)) return quasar::step::float_kernels_avx512();
+  if (quasar::path_at_least(KernelPath::kAvx2)) return quasar::step::float_kernels_avx2();
+  return quasar::step::float_kernels_portable();
+}
 
 const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
@@ -1055,6 +1060,20 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList tiles, at::TensorL
 
 }  // namespace
 
+namespace quasar {
+namespace step {
+// The AVX512 float kernels: the functions above (16-float vectors, FMAs).
+const FloatKernels& float_kernels_avx512() {
+#ifdef QUASAR_LAYER_KERNEL
+  static const FloatKernels kernels = {rms_norm, silu_mul, add_into, attend_f32_avx512};
+  return kernels;
+#else
+  return float_kernels_portable();
+#endif
+}
+}  // namespace step
+}  // namespace quasar
+
 // x [1, T, H] float32 -> the hidden states after all L layers [1, T, H], for the rows of a
 // verifier step over one or more cache slots (quasar/models/rows.py). k_cache / v_cache are
 // [L, slots, KVH, S, D] float32 or bfloat16. Row t belongs to slot slots[t], whose committed length is
@@ -1077,8 +1096,6 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                const c10::List<std::optional<at::Tensor>>& biases,
                                at::TensorList comps, at::IntArrayRef act_bits, int64_t n_heads,
                                int64_t n_kv_heads, bool prefill) {
-#ifdef QUASAR_LAYER_KERNEL
-  TORCH_CHECK(quasar::cpu_has_vnni(), "w8a8_decoder_layers needs an AVX512-VNNI CPU");
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
   const int64_t T = x.size(1), H = x.size(2);
@@ -1137,8 +1154,13 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
     tails[t] = tail_rows.data() + t * T;
     max_keys = std::max(max_keys, n_keys[t]);
   }
-  // A batch of chains keeps the plain kernel (no key lookups at all).
-  const AttendFn attend = is_chain ? attend_for<false>(D) : attend_for<true>(D);
+  // The active kernel path's float kernels; a batch of chains keeps the plain attention
+  // kernel (no key lookups at all).
+  const quasar::step::FloatKernels& fk = float_kernels();
+  const auto rms_norm = fk.rms_norm;
+  const auto silu_mul = fk.silu_mul;
+  const auto add_into = fk.add_into;
+  const AttendFn attend = fk.attend(D, !is_chain);
   const AttendBf16Fn attend_bf16 = is_chain ? attend_bf16_for<false>(D) : attend_bf16_for<true>(D);
   // An AMX-BF16 CPU's steps attend with tiles (attend_group_amx), all of them.
 #ifdef QUASAR_AMX_ATTENTION
@@ -1398,19 +1420,11 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
     }
   }
   return out;
-#else
-  TORCH_CHECK(false, "w8a8_decoder_layers: not compiled for this CPU");
-#endif
 }
 
-// Whether w8a8_decoder_layers takes a bfloat16 KV cache here (an AVX512-BF16 CPU).
-bool w8a8_bf16_supported() {
-#ifdef QUASAR_LAYER_KERNEL
-  return bf16_supported();
-#else
-  return false;
-#endif
-}
+// Whether w8a8_decoder_layers takes a bfloat16 KV cache here (an AVX512-BF16 CPU on an
+// AVX512 kernel path).
+bool w8a8_bf16_supported() { return bf16_supported(); }
 
 // Whether attention over a bfloat16 cache (prompt chunks and verifier steps) uses AMX-BF16
 // tiles here.

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "cpu_features.h"
+
 namespace quasar {
 
 // Rows of a weight matrix per tile of the small-M GEMM's layout (pack_tiles).
@@ -35,12 +37,22 @@ struct Int8Segment {
   int64_t y_col;
 };
 
-// True when this CPU runs the AVX512-VNNI small-M kernel.
-bool cpu_has_vnni();
-
-// True when this CPU has AMX tiles (and AMX-INT8), Linux lets this process use them (asked
-// for on the first call) and they are not turned off (int8_amx_min_rows(0), QUASAR_NO_AMX).
+// True when the active kernel path is AMX (the CPU has AMX-INT8 and Linux lets this
+// process use the tiles) and AMX is not turned off (int8_amx_min_rows(0), QUASAR_NO_AMX).
 bool amx_enabled();
+
+// One weight tile's sums on the paths below AVX512 (gemm_avx2.cpp, gemm_portable.cpp):
+// vectors [v0, v0 + nv) of a tile of `stride` vectors at t (pack_tiles' layout) against
+// the M rows of x (uint8 q + 128, rows of padded_k(K) bytes, |q| <= 127), into
+// acc[r * kTile + c] for c < 16 nv. tile_rows_avx2 and tile_rows_portable give the exact
+// sums of q * w; tile_rows_avx_vnni (u8 x s8 like the AVX512 kernel) those of (q + 128) * w,
+// comp still to take off.
+void tile_rows_avx2(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
+                    int32_t* acc);
+void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
+                        int64_t nv, int32_t* acc);
+void tile_rows_portable(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
+                        int64_t nv, int32_t* acc);
 
 // Per-row dynamic int8 quantization of x [M, K] as uint8 (q + 128) into q [M, padded_k(K)]
 // (the padding q = 0), scales into sx [M]; the same bits as quantize_activation in
@@ -48,13 +60,15 @@ bool amx_enabled();
 void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx);
 
 // y[m, seg.y_col + n] = ((float(xu[m] . w[n] - comp[n]) * ws[n]) * sx[m]) + bias[n] for
-// every segment and 1 <= M <= 128 rows of xu [M, padded_k(K)] (VNNI CPUs only); bitwise
-// Int8Linear's result.
+// every segment and 1 <= M <= 128 rows of xu [M, padded_k(K)], on the active kernel path;
+// bitwise Int8Linear's result on every path.
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride);
 
 // 15-bit activations (|q| <= 16383, scale amax / 16383, as quantize_activation(x, 15)) split
-// as q = 128 * hi + lo: hi + 128 and lo + 128 as uint8 [M, padded_k(K)] each.
+// as q = 128 * hi + lo with hi = q / 128 and lo = q % 128 (C++'s truncating division:
+// both in [-127, 127], which the AVX2 kernel needs): hi + 128 and lo + 128 as uint8
+// [M, padded_k(K)] each. Any exact split gives the same int64 sums, hence the same bits.
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx);
 
 // A small-M GEMM cut into vectors (16 output columns of one weight tile each), for callers
@@ -79,7 +93,7 @@ struct SmallMGemm {
   float* y;
   int64_t y_stride;
   int64_t vector_first[kMaxSegments + 1];  // segment s's first vector
-  bool amx;  // the sums come from AMX tile multiplies (the CPU has them, M is large enough)
+  KernelPath path;  // how the sums are made (the active path; AVX512 for AMX below its row minimum)
 };
 
 // small_m_gemm for split 15-bit activations: the int32 products of hi and lo (each exact)

@@ -34,6 +34,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__linux__)
@@ -158,8 +160,8 @@ QUASAR_INLINE void quantize_split(const float* x, int64_t m_len, int64_t k_len, 
     sx[m] = s;
     for (int64_t k = 0; k < k_len; ++k) {
       const int32_t q = round_to_int(r[k] / s);  // |q| <= 16383
-      hi[m * ldq + k] = static_cast<uint8_t>((q >> 7) + 128);  // floor(q / 128)
-      lo[m * ldq + k] = static_cast<uint8_t>((q & 127) + 128);
+      hi[m * ldq + k] = static_cast<uint8_t>(q / 128 + 128);  // truncated: |q / 128| <= 127
+      lo[m * ldq + k] = static_cast<uint8_t>(q % 128 + 128);  // same sign as q, |.| <= 127
     }
     for (int64_t k = k_len; k < ldq; ++k) hi[m * ldq + k] = lo[m * ldq + k] = 128;
   }
@@ -176,12 +178,11 @@ constexpr int64_t kTiledMaxRows = 128;
 // settable for benchmarks and tests.
 std::atomic<int64_t> g_small_m_max{-1};
 
+// The AVX512-VNNI kernel and the AVX512-compiled quantizers run on the avx512-vnni and amx
+// paths (cpu_features.h: the CPU has them and no lower path is forced).
 bool vnni_supported() {
 #ifdef QUASAR_VNNI_KERNEL
-  // libgcc also checks that the OS saves the AVX512 state (XCR0).
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vnni");
-  return ok;
+  return quasar::path_at_least(quasar::KernelPath::kAvx512Vnni);
 #else
   return false;
 #endif
@@ -194,27 +195,31 @@ bool vnni_supported() {
 constexpr int64_t kAmxMinRows = 2;
 std::atomic<int64_t> g_amx_min_rows{kAmxMinRows};
 
+// The CPU has the instructions, Linux lets this process use the tile data state (asked once,
+// cpu_features.cpp) and the path is not forced lower.
 bool amx_supported() {
 #ifdef QUASAR_AMX_KERNEL
-  // The CPU has the instructions, and Linux lets this process use the tile data state
-  // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process; Linux >= 5.16).
-  static const bool ok = [] {
-    if (!vnni_supported() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8"))
-      return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+  return quasar::kernel_path() == quasar::KernelPath::kAmx;
 #else
   return false;
 #endif
 }
 
+// Whether oneDNN's int8 GEMM may serve the rows the small-M kernel does not take: only on
+// the AVX512 paths, and only while oneDNN is exact here (ext.py passes kernels.py's check
+// to int8_onednn_exact). Without VNNI oneDNN makes its u8 x s8 products with vpmaddubsw,
+// whose int16 pairs saturate: its sums are wrong, so every lower path computes all rows
+// itself, kTiledMaxRows at a time.
+std::atomic<bool> g_onednn_exact{true};
+bool onednn_allowed() { return vnni_supported() && g_onednn_exact.load(std::memory_order_relaxed); }
+
 // The largest M int8_linear sends to the small-M kernel: as set, or by default all it takes
-// when AMX computes them, else kSmallMaxRows (oneDNN is faster for more rows on VNNI alone).
+// when AMX computes them, kSmallMaxRows on AVX512-VNNI alone (oneDNN is faster for more
+// rows there), and every M on the lower paths (in chunks of kTiledMaxRows).
 int64_t small_m_limit() {
   const int64_t v = g_small_m_max.load(std::memory_order_relaxed);
   if (v >= 0) return v;
+  if (!onednn_allowed()) return std::numeric_limits<int64_t>::max();
   return amx_supported() && g_amx_min_rows.load(std::memory_order_relaxed) > 0 ? kTiledMaxRows : kSmallMaxRows;
 }
 
@@ -296,13 +301,16 @@ QUASAR_VNNI_WIDE void quantize_split_avx512(const float* x, int64_t m_len, int64
   quantize_split(x, m_len, k_len, hi, lo, sx);
 }
 
-// One chunk's outputs from its raw sums acc [M, kTile] (and acc_lo for 15-bit activations,
-// combined as 128 * hi + lo in int64 into wide): comp taken off, then the epilogue, into
+#endif
+
+// One chunk's outputs from its sums acc [M, kTile] (and acc_lo for 15-bit activations,
+// combined as 128 * hi + lo in int64 into wide): comp taken off where the sums are of the
+// u8 activations (`offset`: the VNNI, AMX and AVX-VNNI kernels), then the epilogue, into
 // columns [g.y_col + n0, + n_len) of y.
 template <bool kSplit>
-QUASAR_VNNI_WIDE void finish_chunk(int32_t* acc, int32_t* acc_lo, int64_t* wide, int64_t M, int64_t n_len,
-                                   const quasar::Int8Segment& g, int64_t n0, const float* sx, float* y,
-                                   int64_t y_stride) {
+QUASAR_INLINE void finish_chunk(int32_t* acc, int32_t* acc_lo, int64_t* wide, int64_t M, int64_t n_len,
+                                const quasar::Int8Segment& g, int64_t n0, const float* sx, float* y,
+                                int64_t y_stride, bool offset) {
   constexpr int64_t kChunk = quasar::kTile;
   const auto take_comp = [&](int32_t* a) {  // modular: exact once comp is taken off
     for (int64_t m = 0; m < M; ++m)
@@ -310,10 +318,10 @@ QUASAR_VNNI_WIDE void finish_chunk(int32_t* acc, int32_t* acc_lo, int64_t* wide,
         a[m * kChunk + j] = static_cast<int32_t>(static_cast<uint32_t>(a[m * kChunk + j]) -
                                                  static_cast<uint32_t>(g.comp[n0 + j]));
   };
-  take_comp(acc);
+  if (offset) take_comp(acc);
   const float* bias = g.bias ? g.bias + n0 : nullptr;
   if constexpr (kSplit) {  // 128 * hi + lo in int64, then the same epilogue as scale_output's
-    take_comp(acc_lo);
+    if (offset) take_comp(acc_lo);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < n_len; ++j)
         wide[m * kChunk + j] = int64_t{acc[m * kChunk + j]} * 128 + acc_lo[m * kChunk + j];
@@ -322,7 +330,36 @@ QUASAR_VNNI_WIDE void finish_chunk(int32_t* acc, int32_t* acc_lo, int64_t* wide,
     epilogue(acc, kChunk, nullptr, g.ws + n0, sx, bias, M, n_len, y + g.y_col + n0, y_stride);
   }
 }
+
+using FinishFn = void (*)(int32_t*, int32_t*, int64_t*, int64_t, int64_t, const quasar::Int8Segment&, int64_t,
+                          const float*, float*, int64_t, bool);
+
+// finish_chunk compiled for AVX512 (the AVX512 paths) and for the baseline ISA (the others);
+// elementwise IEEE operations, so both give the same bits.
+template <bool kSplit>
+void finish_chunk_baseline(int32_t* acc, int32_t* acc_lo, int64_t* wide, int64_t M, int64_t n_len,
+                           const quasar::Int8Segment& g, int64_t n0, const float* sx, float* y, int64_t y_stride,
+                           bool offset) {
+  finish_chunk<kSplit>(acc, acc_lo, wide, M, n_len, g, n0, sx, y, y_stride, offset);
+}
+
+#ifdef QUASAR_VNNI_KERNEL
+template <bool kSplit>
+QUASAR_VNNI_WIDE void finish_chunk_avx512(int32_t* acc, int32_t* acc_lo, int64_t* wide, int64_t M, int64_t n_len,
+                                          const quasar::Int8Segment& g, int64_t n0, const float* sx, float* y,
+                                          int64_t y_stride, bool offset) {
+  finish_chunk<kSplit>(acc, acc_lo, wide, M, n_len, g, n0, sx, y, y_stride, offset);
+}
 #endif
+
+template <bool kSplit>
+FinishFn finish_for(quasar::KernelPath path) {
+#ifdef QUASAR_VNNI_KERNEL
+  if (path >= quasar::KernelPath::kAvx512Vnni) return finish_chunk_avx512<kSplit>;
+#endif
+  (void)path;
+  return finish_chunk_baseline<kSplit>;
+}
 
 #ifdef QUASAR_AMX_KERNEL
 // The tile configuration (palette 1), for one block of rows A (up to 16) or two, A and B:
@@ -479,8 +516,6 @@ QUASAR_AMX void amx_release() { _tile_release(); }
 
 namespace quasar {
 
-bool cpu_has_vnni() { return vnni_supported(); }
-
 bool amx_enabled() { return amx_supported() && g_amx_min_rows.load(std::memory_order_relaxed) > 0; }
 
 void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx) {
@@ -504,9 +539,12 @@ namespace {
 // prefill chunk of the fused decoder op) read the weights once; with AMX, 16 rows are one
 // tdpbusd. kSplit: 15-bit activations, q = 128 * hi + lo, given as two uint8 arrays
 // (hi + 128, lo + 128); both products are exact int32s, combined in int64.
+// `path` picks the tile sums (AMX, AVX512-VNNI, AVX-VNNI, AVX2 or portable: the same
+// int32s once comp is off, so the path never changes a bit of the outputs).
 template <bool kSplit>
-void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, bool amx, int64_t v0, int64_t v1) {
-#ifdef QUASAR_VNNI_KERNEL
+void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quasar::KernelPath path, int64_t v0,
+                  int64_t v1) {
+  using quasar::KernelPath;
   constexpr int64_t kChunk = quasar::kTile, kTileVectors = kChunk / 16;
   const int64_t M = g.M, K = g.K, k4 = quasar::padded_k(K);
   // Per-thread scratch, kept between calls (a step makes hundreds).
@@ -520,11 +558,22 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, bool
   // calls: set it here, release the tiles at the end.
   int64_t configured = 0;
   const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t stride, int64_t va, int64_t nv, int32_t* a) {
+    switch (path) {
+      case KernelPath::kAmx:
 #ifdef QUASAR_AMX_KERNEL
-    if (amx) return amx_tile_rows(xr, M, K, tile, stride, va, nv, a, configured);
+        return amx_tile_rows(xr, M, K, tile, stride, va, nv, a, configured);
 #endif
-    tile_rows(xr, M, K, tile, stride, va, nv, a);
+      case KernelPath::kAvx512Vnni:
+#ifdef QUASAR_VNNI_KERNEL
+        return tile_rows(xr, M, K, tile, stride, va, nv, a);
+#endif
+      case KernelPath::kAvxVnni: return quasar::tile_rows_avx_vnni(xr, M, K, tile, stride, va, nv, a);
+      case KernelPath::kAvx2: return quasar::tile_rows_avx2(xr, M, K, tile, stride, va, nv, a);
+      case KernelPath::kPortable: return quasar::tile_rows_portable(xr, M, K, tile, stride, va, nv, a);
+    }
   };
+  const bool offset = path >= KernelPath::kAvxVnni;  // u8 x s8 sums: comp to take off
+  const FinishFn finish = finish_for<kSplit>(path);
   int64_t s = 0;
   for (int64_t v = v0; v < v1;) {
     while (v >= vector_first[s + 1]) ++s;
@@ -535,13 +584,12 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, bool
     const int8_t* tile = seg.tiles + n0 * k4;
     sums(g.xu, tile, stride, va, vb - va, acc);
     if (kSplit) sums(g.xlo, tile, stride, va, vb - va, acc_lo);
-    finish_chunk<kSplit>(acc, acc_lo, wide, M, std::min(n_len, 16 * vb) - 16 * va, seg, n0 + 16 * va, g.sx, g.y,
-                         g.y_stride);
+    finish(acc, acc_lo, wide, M, std::min(n_len, 16 * vb) - 16 * va, seg, n0 + 16 * va, g.sx, g.y, g.y_stride,
+           offset);
     v += vb - va;
   }
 #ifdef QUASAR_AMX_KERNEL
   if (configured) amx_release();
-#endif
 #endif
 }
 
@@ -568,7 +616,6 @@ void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
 SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int64_t K_, const Int8Segment* segs_,
                        int64_t n_segs_, const float* sx_, float* y_, int64_t y_stride_)
     : xu(xu_), xlo(xlo_), M(M_), K(K_), segs(segs_), n_segs(n_segs_), sx(sx_), y(y_), y_stride(y_stride_) {
-  TORCH_CHECK(vnni_supported(), "int8 small-M GEMM: needs an AVX512-VNNI CPU");
   TORCH_CHECK(M >= 1 && M <= kTiledMaxRows, "int8 small-M GEMM called with M = ", M);
   TORCH_CHECK(n_segs >= 1 && n_segs <= kMaxSegments, "int8 small-M GEMM: 1..", kMaxSegments, " segments");
   vector_first[0] = 0;
@@ -577,14 +624,15 @@ SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int6
     vector_first[s + 1] = vector_first[s] + (segs[s].n + 15) / 16;
   }
   const int64_t amx_min = g_amx_min_rows.load(std::memory_order_relaxed);
-  amx = amx_min > 0 && M >= amx_min && amx_supported();
+  path = quasar::kernel_path();
+  if (path == KernelPath::kAmx && !(amx_min > 0 && M >= amx_min)) path = KernelPath::kAvx512Vnni;
 }
 
 void SmallMGemm::run(int64_t v0, int64_t v1) const {
   if (xlo)
-    gemm_vectors<true>(*this, vector_first, amx, v0, v1);
+    gemm_vectors<true>(*this, vector_first, path, v0, v1);
   else
-    gemm_vectors<false>(*this, vector_first, amx, v0, v1);
+    gemm_vectors<false>(*this, vector_first, path, v0, v1);
 }
 
 // All vectors over the intra-op threads; a task reads at least ~64 KiB of weights (less does
@@ -596,12 +644,17 @@ void SmallMGemm::run_parallel() const {
 
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
                   const float* sx, float* y, int64_t y_stride) {
-  SmallMGemm(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride).run_parallel();
+  small_m_gemm_split(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride);
 }
 
+// Any M, kTiledMaxRows rows a call (each row is computed alone, so the chunking changes no bit).
 void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs,
                         int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
-  SmallMGemm(xhi, xlo, M, K, segs, n_segs, sx, y, y_stride).run_parallel();
+  const int64_t k4 = padded_k(K);
+  for (int64_t r0 = 0; r0 < M; r0 += kTiledMaxRows)
+    SmallMGemm(xhi + r0 * k4, xlo ? xlo + r0 * k4 : nullptr, std::min(kTiledMaxRows, M - r0), K, segs, n_segs,
+               sx + r0, y + r0 * y_stride, y_stride)
+        .run_parallel();
 }
 
 void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
@@ -671,8 +724,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       cmp = comp->contiguous();
     }
     std::vector<float> sx(M);
-    // Small M on an AVX512-VNNI CPU: the hand-written kernel (same int32s, same epilogue).
-    const bool small_m = M <= small_m_limit() && vnni_supported() &&
+    // Small M (every M below the AVX512 paths): the hand-written kernel (same int32s, same
+    // epilogue).
+    const bool small_m = M <= small_m_limit() &&
                          comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
                          comp->numel() == N && tiles.has_value() && tiles->defined();
     at::Tensor c;
@@ -685,6 +739,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
       seg = {tiles->data_ptr<int8_t>(), N, c.data_ptr<int32_t>(), ws.data_ptr<float>(),
              b.defined() ? b.data_ptr<float>() : nullptr, 0};
     }
+    // The rows the small-M kernel does not take: oneDNN where it is exact (AVX512 paths),
+    // else float64, exact too (|sums| < 2**53); torch 2.13's CPU _int_mm is wrong for K == 1.
+    const auto int_mm = [&](const at::Tensor& q) {  // q int8 or uint8 [M, K] -> int32 [M, N]
+      if (K == 1 || !onednn_allowed()) return at::matmul(q.to(at::kDouble), weight.to(at::kDouble).t()).to(at::kInt);
+      return at::_int_mm(q, weight.t());
+    };
     if (act_bits == 15) {  // 15-bit activations as two int8 halves (see Int8Linear)
       at::Tensor hi = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
       at::Tensor lo = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
@@ -695,11 +755,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
                                    y.data_ptr<float>(), N);
         return finish();
       }
-      // s8 halves (hi in [-128, 127], lo in [0, 127]), each an exact int32 GEMM
+      // s8 halves (both in [-127, 127]), each an exact int32 GEMM
       const auto gemm = [&](const at::Tensor& u) {
-        const at::Tensor q = u.narrow(1, 0, K).to(at::kShort).sub_(128).to(at::kChar).contiguous();
-        return K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t())
-                      : at::_int_mm(q, weight.t()).to(at::kLong);
+        return int_mm(u.narrow(1, 0, K).to(at::kShort).sub_(128).to(at::kChar).contiguous()).to(at::kLong);
       };
       const at::Tensor acc = gemm(hi).mul_(128).add_(gemm(lo)).contiguous();
       epilogue(acc.data_ptr<int64_t>(), N, nullptr, ws.data_ptr<float>(), sx.data(),
@@ -716,14 +774,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
     if (use_u8) {
       at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
       quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data(), K);
-      // torch 2.13's CPU _int_mm is wrong for K == 1; the integer product is exact anyway.
-      acc = K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t()).to(at::kInt)
-                   : at::_int_mm(q, weight.t());
+      acc = int_mm(q);
     } else {
       at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
       quantize_rows<int8_t, 0>(xf.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), sx.data(), K);
-      acc = K == 1 ? at::matmul(q.to(at::kLong), weight.to(at::kLong).t()).to(at::kInt)
-                   : at::_int_mm(q, weight.t());
+      acc = int_mm(q);
     }
     if (acc.stride(1) != 1) acc = acc.contiguous();
     epilogue(acc.data_ptr<int32_t>(), acc.stride(0), cmp.defined() ? cmp.data_ptr<int32_t>() : nullptr,
@@ -746,6 +801,13 @@ int64_t int8_small_m_max(int64_t max_m) {
 int64_t int8_amx_min_rows(int64_t min_rows) {
   if (min_rows < 0) return g_amx_min_rows.load();
   return g_amx_min_rows.exchange(min_rows);
+}
+
+// Whether oneDNN's int8 GEMMs are exact here (kernels.py checks it once per process); with a
+// value (0 or 1), set it first. While false the small-M kernel takes every M.
+bool int8_onednn_exact(int64_t value) {
+  if (value >= 0) g_onednn_exact.store(value != 0);
+  return g_onednn_exact.load();
 }
 
 // Whether this CPU runs the small-M kernel's AMX path (AMX-INT8, and Linux allows it).
@@ -778,8 +840,30 @@ bool release_pages(const at::Tensor& t) {
 #endif
 }
 
-// Whether this CPU runs the small-M kernel (AVX512-VNNI, and the kernel compiled in).
-bool int8_small_m_supported() { return vnni_supported(); }
+// Whether the small-M kernel runs here: on every kernel path (the portable one included).
+bool int8_small_m_supported() { return true; }
+
+// The active kernel path's name (cpu_features.h); with a name, first cap the path there
+// (the highest path at or below it that this CPU runs). Names: portable, avx2, avx-vnni,
+// avx512-vnni, amx.
+std::string kernel_path_op(const std::string& cap) {
+  if (!cap.empty()) {
+    int found = -1;
+    for (int p = 0; p < quasar::kNumKernelPaths; ++p)
+      if (cap == quasar::kernel_path_name(static_cast<quasar::KernelPath>(p))) found = p;
+    TORCH_CHECK(found >= 0, "unknown kernel path '", cap, "'");
+    quasar::set_kernel_path(static_cast<quasar::KernelPath>(found));
+  }
+  return quasar::kernel_path_name(quasar::kernel_path());
+}
+
+// Whether this CPU can run kernel path `name`.
+bool cpu_runs_path(const std::string& name) {
+  for (int p = 0; p < quasar::kNumKernelPaths; ++p)
+    if (name == quasar::kernel_path_name(static_cast<quasar::KernelPath>(p)))
+      return quasar::cpu_runs(static_cast<quasar::KernelPath>(p));
+  TORCH_CHECK(false, "unknown kernel path '", name, "'");
+}
 
 // How many distinct threads one at::parallel_for of this library runs on. at::parallel_for
 // is a header template: its OpenMP pragma is compiled here, so a build without -fopenmp
@@ -804,4 +888,7 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.def("int8_amx_min_rows(int min_rows=-1) -> int", &int8_amx_min_rows);
   m.def("int8_amx_supported() -> bool", &int8_amx_supported);
   m.def("parallel_threads() -> int", &parallel_threads);
+  m.def("int8_onednn_exact(int value=-1) -> bool", &int8_onednn_exact);
+  m.def("kernel_path(str cap=\"\") -> str", &kernel_path_op);
+  m.def("cpu_runs_path(str name) -> bool", &cpu_runs_path);
 }

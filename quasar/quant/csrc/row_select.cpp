@@ -9,6 +9,8 @@
 // token either way. top-k (for token recycling, a heuristic) is by value, descending, equal
 // values in index order, NaNs never chosen; k <= 64.
 
+#include "cpu_features.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -113,10 +115,11 @@ QUASAR_AVX512_SELECT void topk_avx512(const float* r, int64_t n, TopK& t) {
 }
 #endif
 
+// On the AVX512 kernel paths (cpu_features.h: a forced lower path keeps the plain loop,
+// which picks the same tokens).
 bool avx512() {
 #ifdef QUASAR_SELECT_AVX512
-  static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok;
+  return quasar::path_at_least(quasar::KernelPath::kAvx512Vnni);
 #else
   return false;
 #endif

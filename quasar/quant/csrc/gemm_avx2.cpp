@@ -1,0 +1,153 @@
+// The small-M GEMM's tile sums on 256-bit x86 paths: AVX2 (+FMA) and AVX-VNNI.
+//
+// Same layout and contract as the AVX512-VNNI kernel (int8_linear.cpp, tile_rows): one
+// weight tile of pack_tiles' layout, vectors [v0, v0 + nv) of it, every row of x; a 64-byte
+// group (16 rows x 4 columns) is two ymm loads of 8 rows each, and the sums land in
+// acc [M, kTile] (columns relative to v0) with no horizontal reduction left.
+//
+// AVX2 has no u8 x s8 dot product into int32 lanes. vpmaddubsw (u8 x s8 pairs into int16,
+// saturating) and vpmaddwd (int16 pairs into int32) make one, exact when no int16 pair
+// sum can exceed 32,767: the weight's magnitude goes in as the u8 operand (|w| <= 128) and
+// the activation, with the weight's sign moved onto it by vpsignb, as the s8 operand. The
+// activations are the quantizers' x + 128 bytes turned back into signed q in [-127, 127]
+// (8-bit rows, and both halves of a 15-bit split: see quantize_split), so a pair is at most
+// 2 * 128 * 127 = 32,512: nothing saturates and vpsignb never negates -128. These are exact
+// sums of q * w, not of (q + 128) * w: no comp to take off (tile_sums_offset is false).
+// AVX-VNNI's 256-bit vpdpbusd multiplies the u8 bytes directly, as the AVX512 kernel does
+// (comp still to take off).
+#include "int8_gemm.h"
+
+#include <cstring>
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+
+namespace quasar {
+namespace {
+
+inline int32_t load_u32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// R rows x NV vectors of one tile; 2 * R * NV accumulators + R broadcasts + 4 temporaries
+// fit AVX2's 16 ymm registers for (R, NV) in (1, 1..4), (2, 1..2).
+template <int R, int NV>
+__attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t,
+                                                   int64_t group_bytes, int32_t* acc) {
+  __m256i a[R][NV][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v][0] = a[r][v][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const int64_t groups = (K + 3) / 4;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* p = t + g * group_bytes;
+    __m256i xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_xor_si256(_mm256_set1_epi32(load_u32(x + r * ldx + 4 * g)), flip);
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + v * 64 + h * 32));
+        const __m256i aw = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r)
+          a[r][v][h] = _mm256_add_epi32(
+              a[r][v][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb[r], w)), ones));
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kTile + v * 16 + h * 8), a[r][v][h]);
+}
+
+#if __GNUC__ >= 11 || defined(__clang__)
+#define QUASAR_AVX_VNNI_KERNEL 1
+template <int R, int NV>
+__attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int64_t ldx, int64_t K,
+                                                           const int8_t* t, int64_t group_bytes, int32_t* acc) {
+  __m256i a[R][NV][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v][0] = a[r][v][1] = _mm256_setzero_si256();
+  const int64_t groups = (K + 3) / 4;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* p = t + g * group_bytes;
+    __m256i xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_epi32(load_u32(x + r * ldx + 4 * g));
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + v * 64 + h * 32));
+        for (int r = 0; r < R; ++r) a[r][v][h] = _mm256_dpbusd_avx_epi32(a[r][v][h], xb[r], w);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kTile + v * 16 + h * 8), a[r][v][h]);
+}
+#endif
+
+using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
+
+// One row takes all the tile's vectors in one pass (the tile is read as one stream, as
+// the AVX512 kernel reads it); more rows go two at a time over pairs of vectors (the tile
+// is in L2 by then), where a weight load serves both rows.
+template <PassFn (*Pick)(int, int)>
+void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
+                   int32_t* acc) {
+  const int64_t k4 = padded_k(K), group_bytes = stride * 64;
+  if (M == 1) return Pick(1, static_cast<int>(nv))(x, k4, K, t + v0 * 64, group_bytes, acc);
+  for (int64_t vc = 0; vc < nv; vc += 2) {
+    const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
+    for (int64_t r0 = 0; r0 < M; r0 += 2) {
+      const int rows = M - r0 < 2 ? 1 : 2;
+      Pick(rows, nvc)(x + r0 * k4, k4, K, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16);
+    }
+  }
+}
+
+PassFn pick_avx2(int rows, int nv) {
+  static constexpr PassFn kOne[4] = {pass_avx2<1, 1>, pass_avx2<1, 2>, pass_avx2<1, 3>, pass_avx2<1, 4>};
+  static constexpr PassFn kTwo[2] = {pass_avx2<2, 1>, pass_avx2<2, 2>};
+  return rows == 1 ? kOne[nv - 1] : kTwo[nv - 1];
+}
+
+#ifdef QUASAR_AVX_VNNI_KERNEL
+PassFn pick_avx_vnni(int rows, int nv) {
+  static constexpr PassFn kOne[4] = {pass_avx_vnni<1, 1>, pass_avx_vnni<1, 2>, pass_avx_vnni<1, 3>,
+                                     pass_avx_vnni<1, 4>};
+  static constexpr PassFn kTwo[2] = {pass_avx_vnni<2, 1>, pass_avx_vnni<2, 2>};
+  return rows == 1 ? kOne[nv - 1] : kTwo[nv - 1];
+}
+#endif
+
+}  // namespace
+
+void tile_rows_avx2(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
+                    int32_t* acc) {
+  tile_rows_256<pick_avx2>(x, M, K, t, stride, v0, nv, acc);
+}
+
+void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
+                        int64_t nv, int32_t* acc) {
+#ifdef QUASAR_AVX_VNNI_KERNEL
+  tile_rows_256<pick_avx_vnni>(x, M, K, t, stride, v0, nv, acc);
+#else
+  (void)x, (void)M, (void)K, (void)t, (void)stride, (void)v0, (void)nv, (void)acc;
+  __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
+#endif
+}
+
+}  // namespace quasar
+
+#else  // not x86: these paths never run (cpu_runs is false), but the library links
+
+namespace quasar {
+void tile_rows_avx2(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*) {
+  __builtin_trap();
+}
+void tile_rows_avx_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*) {
+  __builtin_trap();
+}
+}  // namespace quasar
+
+#endif
