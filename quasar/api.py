@@ -25,7 +25,7 @@ from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_BATCH_ROWS, DEFAULT_CONTE
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
-from quasar.quant.fused_step import AMX_PASS_ROWS, step_pass_rows
+from quasar.quant.step_cost import install_measured
 from quasar.speculative.registry import (AUTO, check_drafter_name, drafter_class, drafter_options, make_drafter,
                                          resolve_drafter)
 from quasar.speculative.batch import BatchDecoder, decode
@@ -44,10 +44,12 @@ class GenerationResult:
     drafter: str
     verifier: str
     stats: dict
+    kernel_path: str = "pytorch"  # how the verifier's int8 kernels ran (quasar.quant.ext.kernel_path)
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "drafter": self.drafter, "verifier": self.verifier, "stats": self.stats}
+                "drafter": self.drafter, "verifier": self.verifier, "kernel_path": self.kernel_path,
+                "stats": self.stats}
 
 
 @dataclass
@@ -101,6 +103,7 @@ class LLM:
         compiled or loaded) and warmed up with one step, once."""
         if name not in self._verifiers:
             model = build_verifier(name, self._float_model, self._w8a8)
+            install_measured(model)  # what its rows cost on this CPU (a fused W8A8 step only)
             model.setup_cache(self.max_context, n_slots=self.max_batch)
             # One step now, so one-time work (loading the int8 kernels, packing weights) is
             # not timed as decoding later.
@@ -162,17 +165,26 @@ class LLM:
                       drafter: str | None = None, verifier: str | None = None,
                       num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
                       ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE,
-                      logprobs: int | None = None, draft_budget: int = DEFAULT_DRAFT_BUDGET) -> DecodePlan:
+                      logprobs: int | None = None, draft_budget: int = DEFAULT_DRAFT_BUDGET,
+                      resolve: bool = True) -> DecodePlan:
         """Check decoding options without decoding (a QuasarError names the bad one, in
         `param`) and resolve the drafter/verifier defaults; `stream` decodes with the result.
         `num_draft` and `adaptive` shape chain drafts; the tree drafter proposes up to
         `draft_budget` nodes per step instead. `logprobs=N` adds each output token's logprob
-        and N alternatives to chunks and result (`quasar.speculative.logprobs`)."""
+        and N alternatives to chunks and result (`quasar.speculative.logprobs`).
+        "auto" is checked as both drafters it may become; resolving it measures the W8A8
+        verifier's step costs (building it first if needed): `resolve=False` leaves it "auto",
+        so bad options are reported before any one-time work."""
         verifier = verifier or self.verifier
         parse_verifier(verifier)
-        drafter = self.resolve_drafter(drafter, verifier)
-        options = drafter_options(drafter, ngram_min=ngram_min, ngram_max=ngram_max, draft_budget=draft_budget)
-        drafter_class(drafter).check_options(**options)
+        drafter = drafter or self.drafter
+        for candidate in ("ngram", "tree") if drafter == AUTO else (drafter,):
+            options = drafter_options(candidate, ngram_min=ngram_min, ngram_max=ngram_max,
+                                      draft_budget=draft_budget)
+            drafter_class(candidate).check_options(**options)
+        if resolve:
+            drafter = self.resolve_drafter(drafter, verifier)
+            options = drafter_options(drafter, ngram_min=ngram_min, ngram_max=ngram_max, draft_budget=draft_budget)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         opts = DecodeOptions(max_new_tokens=max_new_tokens, stop=stops, num_draft=num_draft, adaptive=adaptive,
                              sampling=SamplingParams(temperature, top_k, top_p, seed), logprobs=logprobs).validate()
@@ -184,10 +196,14 @@ class LLM:
 
     def resolve_drafter(self, drafter: str | None, verifier: str) -> str:
         """The drafter a call decodes with: `drafter` (None: this LLM's default), where "auto"
-        becomes tree drafts if `verifier` is the W8A8 model and its fused step takes 16 rows
-        in one pass over its weights (AMX tiles), else the chain (quasar.defaults.DEFAULT_DRAFTER)."""
+        becomes tree drafts if `verifier` is the W8A8 model and its fused step, measured on this
+        CPU, takes 16 rows at little more than the cost of one (quasar.quant.step_cost), else
+        the chain (quasar.defaults.DEFAULT_DRAFTER)."""
         drafter = drafter or self.drafter
-        cheap_rows = drafter == AUTO and verifier == "w8a8" and (step_pass_rows() or 0) >= AMX_PASS_ROWS
+        cheap_rows = False
+        if drafter == AUTO and verifier == "w8a8":
+            costs = self.verifier_model(verifier).step_costs
+            cheap_rows = costs is not None and costs.rows_are_cheap
         return resolve_drafter(drafter, cheap_rows)
 
     def new_drafter(self, plan: DecodePlan) -> Drafter:
@@ -269,4 +285,11 @@ class LLM:
         verifier = options.get("verifier") or self.verifier
         drafter = self.resolve_drafter(options.get("drafter"), verifier)
         return GenerationResult(result.text, result.token_ids, result.finish_reason, drafter, verifier,
-                                result.stats.as_dict())
+                                result.stats.as_dict(), self.kernel_path(verifier))
+
+    def kernel_path(self, verifier: str | None = None) -> str:
+        """The kernel path `verifier` (None: this LLM's) decodes on: the int8 kernels' (amx,
+        avx512-vnni, avx-vnni, avx2 or portable) for w8a8, "pytorch" for float verifiers."""
+        from quasar.quant import ext
+
+        return ext.kernel_path() if parse_verifier(verifier or self.verifier)[0] == "w8a8" else ext.PYTORCH_PATH

@@ -63,12 +63,14 @@ def run_generate(args) -> int:
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                    num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    adaptive=args.adaptive, draft_budget=args.draft_budget)
-    plan = llm.check_options(**{k: v for k, v in options.items() if k != "raw"})  # before any one-time work
-    # One-time work (quantizing or loading the W8A8 copy, loading its kernels) on its own
-    # line, so the decode rate below is decoding only.
+    checked = {k: v for k, v in options.items() if k != "raw"}
+    llm.check_options(**checked, resolve=False)  # bad options fail before any one-time work
+    # One-time work (quantizing or loading the W8A8 copy, loading its kernels, measuring its
+    # step) on its own line, so the decode rate below is decoding only.
     seconds = llm.prepare(args.verifier, progress=sys.stderr.isatty())
     if seconds is not None and args.verifier != "fp":
         print(f"building the {args.verifier.upper()} verifier (once, cached): {seconds:.1f} s", file=sys.stderr)
+    plan = llm.check_options(**checked)  # "auto" resolved on the verifier's measured step
     if args.json:
         print(json.dumps(llm.generate(prompt, **options).as_dict(), ensure_ascii=False))
         return 0
@@ -83,7 +85,8 @@ def run_generate(args) -> int:
     print(file=sys.stdout)
     print(f"[{plan.drafter}+{args.verifier}] {s.new_tokens} tokens in {s.wall_s:.2f} s: "
           f"{s.tokens_per_s:.1f} tokens/s, {s.steps} verifier steps, "
-          f"mean accepted {s.mean_accepted:.2f} ({result.finish_reason})", file=sys.stderr)
+          f"mean accepted {s.mean_accepted:.2f} ({result.finish_reason}; kernels: {llm.kernel_path(args.verifier)})",
+          file=sys.stderr)
     return 0
 
 

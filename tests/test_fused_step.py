@@ -20,7 +20,7 @@ from quasar.quant.int8 import Int8Linear
 from quasar.quant.quantize import build_w8a8
 
 pytestmark = pytest.mark.skipif(ext.decoder_layer_op() is None,
-                                reason="the fused layer needs the C++ ops on an AVX512-VNNI CPU")
+                                reason="the fused layer needs the C++ ops (a C++ compiler and ninja)")
 
 CALIB = ("The committee met on Tuesday to review the annual budget and the new transit plan.\n"
          "def mean(xs):\n    return sum(xs) / len(xs)\n") * 12
@@ -417,5 +417,53 @@ def test_the_vector_kernel_of_cpus_without_amx(tmp_path):
     tests = "row_invariance or tree_rows or batch_rows or bf16_cache_step or greedy_tree"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
                          env={**os.environ, "QUASAR_NO_AMX": "1"}, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout
+
+
+# ---------------------------------------------------------------- lower kernel paths
+
+@pytest.mark.skipif(not ext.cpu_runs("avx2"), reason="this CPU does not run the avx2 kernel path")
+def test_avx2_and_portable_steps_are_bitwise_equal(models):
+    """The AVX2 float kernels and the plain C++ ones are one code (step_vec8.inc) with the same
+    IEEE operations in the same order: a tree step over a long context gives the same bits."""
+    from quasar.quant import fused_step
+
+    _, q, ids = models["qwen3"]
+    tokens, parents = random_tree(9, 9, 1000)
+    got = {}
+    try:
+        for path in ("avx2", "portable"):
+            with ext.forced_kernel_path(path):
+                fused_step.install(q)
+                assert q.kv_dtype is None  # no bf16 cache below the AVX512 paths
+                with fused_calls(q) as calls:
+                    got[path], _ = tree_step(q, long_ids(ids), tokens, parents)
+                assert calls and calls[-1], "the tree step did not run fused"
+    finally:
+        fused_step.install(q)
+    assert torch.equal(got["avx2"], got["portable"])
+
+
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+def test_lower_kernel_paths_keep_the_fused_properties(tmp_path, path):
+    """The tests above again in a fresh process forced onto a lower kernel path (QUASAR_ISA):
+    the fused step runs, stays as close to the float model as the modules, and keeps row
+    invariance for chains, trees and batches, so greedy tree decoding still equals
+    autoregressive decoding. (The portable path, slower, runs the exactness ones.)"""
+    import os
+    import subprocess
+    import sys
+
+    if not ext.cpu_runs(path):
+        pytest.skip(f"this CPU does not run the {path} kernel path")
+    if ext.kernel_path() == path:
+        pytest.skip(f"{path} is this CPU's own path: the tests above ran on it")
+    tests = "fused_layer_is_used or row_invariance or tree_rows or batch_rows or greedy_tree or commit_after"
+    if path == "portable":
+        tests = "row_invariance or tree_rows or greedy_tree"
+    env = {**os.environ, "QUASAR_ISA": path}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "failed" not in out.stdout

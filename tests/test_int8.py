@@ -435,18 +435,27 @@ def test_ext_later_processes_load_from_cache(ext_op) -> None:
     assert out.stderr == ""
 
 
-# ---------------------------------------------------------------- small-M VNNI kernel (ext)
-@pytest.fixture
-def small_m(ext_op):
-    """The op with its small-M kernel on (skipped on CPUs without AVX512-VNNI); the
-    threshold is restored afterwards."""
+# ---------------------------------------------------------------- small-M kernel (ext), every path
+def _kernel_path_params():
+    from quasar.quant.ext import KERNEL_PATHS
+
+    return list(KERNEL_PATHS)
+
+
+@pytest.fixture(params=_kernel_path_params())
+def small_m(ext_op, request):
+    """The op with its small-M kernel on, once per kernel path this CPU runs (portable, avx2,
+    avx-vnni, avx512-vnni, amx; the others are skipped), forced as QUASAR_ISA would; the
+    threshold and the path are restored afterwards."""
     from quasar.quant import ext
 
-    if not ext.small_m_supported():
-        pytest.skip("CPU without AVX512-VNNI: the op always uses oneDNN")
-    old = ext.small_m_max(16)
-    yield ext_op
-    ext.small_m_max(old)
+    if not ext.cpu_runs(request.param):
+        pytest.skip(f"this CPU does not run the {request.param} kernel path")
+    with ext.forced_kernel_path(request.param) as path:
+        assert path == request.param
+        old = ext.small_m_max(16)
+        yield ext_op
+        ext.small_m_max(old)
 
 
 def _op_reference(x, w, ws, bias) -> torch.Tensor:
@@ -723,6 +732,35 @@ def test_amx_sums_are_bitwise_the_vnni_kernels(amx, act_bits: int) -> None:
             ext.small_m_max(0)
             assert torch.equal(amx(x, w, ws, bias, comp, True, True, tiles, act_bits), got)
             ext.small_m_max(128)
+
+
+def test_kernel_path_switch(ext_op) -> None:
+    """QUASAR_ISA caps the kernel path in a fresh process (the highest path at or below it
+    that the CPU runs; a lower path has no bf16 KV cache), a bad value is a one-line error
+    naming the choices, and the ops say which path runs."""
+    import subprocess
+
+    from quasar.quant import ext
+
+    runs = [p for p in ext.KERNEL_PATHS if ext.cpu_runs(p)]
+    assert runs[0] == "portable"
+    assert ext.kernel_path() == runs[-1] or (runs[-1] == "amx" and ext.amx_min_rows() == 0)
+    code = "from quasar.quant import ext; ext.int8_linear_op(); print(ext.kernel_path(), ext.bf16_kv_supported())"
+    for want in runs:
+        env = {**os.environ, "QUASAR_ISA": want}
+        env.pop("QUASAR_NO_AMX", None)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        path, bf16 = out.stdout.split()
+        assert path == want, out.stdout
+        if want in ("portable", "avx2", "avx-vnni"):
+            assert bf16 == "False"
+    bad = subprocess.run([sys.executable, "-m", "quasar", "generate", "--prompt", "hi"],
+                         env={**os.environ, "QUASAR_ISA": "sse9"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "QUASAR_ISA must be one of portable, avx2, avx-vnni, avx512-vnni, amx" in bad.stderr
+    with pytest.raises(ValueError):
+        with ext.forced_kernel_path("sse9"):
+            pass
 
 
 def test_amx_is_on_by_default_and_can_be_turned_off(amx) -> None:

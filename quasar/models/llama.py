@@ -252,6 +252,8 @@ class Transformer(nn.Module):
         # no such step): what tree drafts are sized by (the fused W8A8 step sets its own).
         self.row_cost = DEFAULT_ROW_COST
         self.pass_rows: int | None = None
+        # The measured step times behind them, once measured on this CPU (quasar.quant.step_cost).
+        self.step_costs = None
         # A one-row step's extra time per cached key, as a fraction of its time without
         # context (the fused step: the K/V bytes of a key over the weight bytes; 0: unknown).
         self.key_cost = 0.0

@@ -1,0 +1,138 @@
+"""What more rows cost a fused W8A8 step on this CPU, measured on the model itself.
+
+A verifier step of k rows (drafts, tree nodes, batched sequences) costs little more than a
+one-row step where the GEMMs have arithmetic to spare while the weights stream in (AMX
+tiles; a large model) and real time where they do not (AVX2's int8 products; a small model
+whose weights sit in L3). Rather than guessing from the CPU's name, :func:`measure` times
+steps of ``PROBE_ROWS`` rows of the model on the active kernel path, interleaved round by
+round, and caches the fastest of each (other processes only ever add time) under the model's shapes, the kernel path and build and the
+thread count (``$QUASAR_CACHE/step_costs``). :class:`StepCosts` turns them into what the
+decoder weighs drafts with:
+
+- ``pass_rows``: the most probed rows a step takes while each row past the first costs at
+  most ``CHEAP_ROW`` of a one-row step (at least ``MIN_PASS_ROWS``, a chain of k = 5
+  drafts): the rows a tree may use;
+- ``row_cost``: the least-squares slope of the step's time over its rows up to
+  ``pass_rows``, as a fraction of a one-row step (``Transformer.row_cost``);
+- ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``, so ``--drafter auto`` drafts trees.
+
+``scripts/step_rows.py`` prints the same times with their floor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quasar.fileio import write_atomic
+from quasar.paths import cache_dir
+
+__all__ = ["PROBE_ROWS", "StepCosts", "measure", "install_measured"]
+
+PROBE_ROWS = (1, 2, 4, 8, 16)
+# A row costing at most this share of a one-row step is cheap enough to fill a pass with.
+CHEAP_ROW = 0.1
+MIN_PASS_ROWS = 6  # the pending token and a chain of 5 drafts: never fewer
+TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
+_ROUNDS = 5
+_PROMPT_TOKENS = 32
+_VERSION = 1  # of the probe: a change here invalidates cached results
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of a fused step of each probed row count (the fastest of a few), on one kernel path."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    kernel_path: str
+
+    def ratio(self, k: int) -> float:
+        """A k-row step's time over a one-row step's."""
+        return self.seconds[self.rows.index(k)] / self.seconds[self.rows.index(1)]
+
+    @property
+    def pass_rows(self) -> int:
+        cheap = [k for k in self.rows if self.ratio(k) <= 1.0 + CHEAP_ROW * (k - 1)]
+        return max(MIN_PASS_ROWS, *cheap)
+
+    @property
+    def row_cost(self) -> float:
+        ks = [k for k in self.rows if 1 < k <= max(self.pass_rows, 2)]
+        slope = sum((k - 1) * (self.ratio(k) - 1.0) for k in ks) / sum((k - 1) ** 2 for k in ks)
+        return min(1.0, max(0.005, slope))
+
+    @property
+    def rows_are_cheap(self) -> bool:
+        return self.pass_rows >= TREE_ROWS
+
+
+def _cache_key(model: nn.Module, path: str) -> str:
+    from quasar.quant import ext
+    from quasar.quant.fused_step import int8_weight_bytes
+
+    cfg = model.config
+    parts = (_VERSION, path, ext.build_dir().name, torch.get_num_threads(), cfg.hidden_size, cfg.num_layers,
+             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, str(model.kv_dtype),
+             int8_weight_bytes(model), PROBE_ROWS)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+
+
+def _probe(model: nn.Module) -> tuple[float, ...]:
+    """The fastest time of a step of each of PROBE_ROWS rows after a short prompt, in a cache of
+    its own (the model's cache is put back)."""
+    from quasar.models.rows import Rows
+
+    saved = model.cache
+    model.cache = None
+    try:
+        model.setup_cache(_PROMPT_TOKENS + max(PROBE_ROWS) + 1, 1)
+        ids = [(7 * i + 3) % model.config.vocab_size for i in range(_PROMPT_TOKENS)]
+        times: dict[int, list[float]] = {k: [] for k in PROBE_ROWS}
+        with torch.inference_mode():
+            model(torch.tensor([ids]), logits="none")
+            for k in PROBE_ROWS:  # warm-up: scratch buffers of each size
+                model.step(Rows.chain(ids[:k], 0, model.cache.lengths))
+            for _ in range(_ROUNDS):
+                for k in PROBE_ROWS:
+                    rows = Rows.chain(ids[:k], 0, model.cache.lengths)
+                    t0 = time.perf_counter()
+                    model.step(rows)
+                    times[k].append(time.perf_counter() - t0)
+        return tuple(min(times[k]) for k in PROBE_ROWS)
+    finally:
+        model.cache = saved
+
+
+def measure(model: nn.Module) -> StepCosts | None:
+    """The step costs of W8A8 `model` on the active kernel path (cached), or None when its
+    steps do not run fused (no C++ op, not an int8 model)."""
+    from quasar.quant import ext
+
+    if getattr(model, "step_kernel", None) is None or ext.decoder_layer_op() is None:
+        return None
+    path = ext.kernel_path()
+    file = cache_dir("step_costs") / f"{_cache_key(model, path)}.json"
+    try:
+        seconds = tuple(float(s) for s in json.loads(file.read_text())["seconds"])
+        if len(seconds) == len(PROBE_ROWS):
+            return StepCosts(PROBE_ROWS, seconds, path)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not measured yet (or unreadable): measure again
+    seconds = _probe(model)
+    write_atomic(file, json.dumps({"rows": PROBE_ROWS, "seconds": seconds, "kernel_path": path}))
+    return StepCosts(PROBE_ROWS, seconds, path)
+
+
+def install_measured(model: nn.Module) -> StepCosts | None:
+    """Set `model`'s row cost and pass rows from its measured step costs (None: unchanged)."""
+    costs = measure(model)
+    if costs is not None:
+        model.row_cost, model.pass_rows = costs.row_cost, costs.pass_rows
+        model.step_costs = costs
+    return costs
