@@ -194,7 +194,7 @@ def test_aggregate_definitions():
 def test_the_floor_counts_the_kv_cache_a_step_reads():
     """Each step reads its context's K and V in every layer: prompt + half the output on
     average, in the engine's precision; the floor adds it to the weights."""
-    from quasar.bench.peers import RunResult
+    from quasar.bench.engine import RunResult
     from quasar.bench.runner import _median_run, aggregate, kv_token_bytes
     from quasar.models.config import ModelConfig
 

@@ -8,7 +8,7 @@ Bandwidth is measured again at the end; the figure used is the median of all sam
 
 Metrics of an engine over a set of prompts (a task, or all of them):
 - tokens_per_s: decode rate = Σ rate tokens ÷ Σ median decode time (prefill excluded; see
-  `peers` for how each engine's decode time is taken); e2e_tokens_per_s = Σ new tokens ÷
+  `engine` for how each engine's decode time is taken); e2e_tokens_per_s = Σ new tokens ÷
   Σ median wall time (prefill included).
 - speedup_vs_ar_fp: tokens_per_s ÷ ar-fp's tokens_per_s over the same prompts.
 - mean_accepted (acceptance length L): tokens emitted per verifier step, from the
@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from quasar.bench import bandwidth as bw
-from quasar.bench.peers import PEERS, Contender, RunResult, Unavailable, make_peers
+from quasar.bench.engine import Contender, RunResult, Unavailable
+from quasar.bench.peers import PEERS, make_peers
 from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
 from quasar.resources import peak_rss_gb
