@@ -1,11 +1,11 @@
 """Defaults shared by the API, CLI, server and bench (no heavy imports: `quasar --help` stays fast)."""
 
 # "auto": tree drafts (`--drafter tree`) where a W8A8 step's extra rows are cheap (the fused
-# step on a CPU with AMX tiles), else the paper's chain (`ngram`). On this project's 2-core AMX
-# machine (`quasar bench`, greedy, 128 tokens, BENCHMARKS.md session 12) trees decode the
-# default model 1.07x the chain's tokens/s (1.02-1.11x per task), a 1.5B model 1.18x
-# (1.07-1.31x), a 5.3k-token prompt at parity; with the VNNI kernel alone, where every row is
-# a further pass of arithmetic, 0.96x (interleaved A/B).
+# step on a CPU with AMX tiles), else the paper's chain (`ngram`). With AMX a tree's extra rows
+# cost little beside the weights every step streams, so its longer accepted runs win; with
+# the VNNI kernel alone every row is a further pass of arithmetic and trees lose to the
+# chain. `quasar bench --modes quasar,quasar-tree` times the two side by side (BENCHMARKS.md
+# has the current figures per model size and CPU kind).
 DEFAULT_DRAFTER = "auto"
 DEFAULT_VERIFIER = "w8a8"
 DEFAULT_CONTEXT = 8192
@@ -14,15 +14,17 @@ DEFAULT_NUM_DRAFT = 5
 DEFAULT_NGRAM_MIN = 1
 DEFAULT_NGRAM_MAX = 3
 # Draft length chosen per step from recent acceptance (speculative.acceptance.AdaptiveDraftLength);
-# measured faster than a fixed k on the default model with identical output (BENCHMARKS.md).
+# faster than a fixed k with identical output (`quasar bench` against `quasar bench --no-adaptive`).
 DEFAULT_ADAPTIVE = True
 # The tree drafter (`--drafter tree`): at most this many draft nodes per step, and how many
 # of the verifier's top next tokens per verified row it recycles. Each step verifies only
 # the nodes likely enough to pay for their rows (DraftTree.worth_keeping at the verifier's
 # row cost) and at most one pass of the fused step's GEMMs (Transformer.pass_rows: 16 rows
-# with AMX, 6 with VNNI alone). On the default model (2-core machine, 15 prompts, greedy)
-# 15 nodes decode as fast as 5 with AMX and L 1.82 vs 1.67; at 1.5B 16 nodes reach L 1.97
-# against the chain's 1.58 (1.08x its tokens/s); without AMX both are capped at 5 nodes.
+# with AMX, 6 with VNNI alone, i.e. 5 nodes whatever the budget). With AMX, 15 nodes (one
+# pass with the pending token) keep the acceptance length of the largest trees while smaller
+# budgets decode about as fast but accept less; larger models, whose rows are relatively
+# cheaper, gain most. `python scripts/compare_drafters.py --configs "chain;tree:6;tree:8;tree:15"`
+# compares budgets on the bench prompts.
 DEFAULT_DRAFT_BUDGET = 15
 # A verifier step's extra time per row, as a fraction of a one-row step (Transformer.row_cost;
 # the fused W8A8 step sets its own): what adaptive chain lengths and tree sizes weigh the

@@ -130,7 +130,8 @@ def main() -> None:
         if args.type == "BF16":
             os.replace(float_tmp, args.out)
         else:
-            from quasar.bench.peers import Unavailable, llamacpp_quantize
+            from quasar.bench.engine import Unavailable
+            from quasar.bench.peers import llamacpp_quantize
 
             print(f"quantizing to {args.type} with llama.cpp ...", file=sys.stderr)
             try:

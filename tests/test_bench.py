@@ -123,7 +123,7 @@ def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
     assert res["modes"]["ar-w8a8"]["mean_accepted"] == 1.0
     assert res["modes"]["quasar"]["mean_accepted"] >= 1.0 and res["modes"]["quasar-tree"]["mean_accepted"] >= 1.0
     assert res["config"]["draft_budget"] == DEFAULT_DRAFT_BUDGET
-    tree_l = next(t for t in res["targets"] if t["name"].startswith("quasar-tree acceptance"))
+    tree_l = next(r for r in res["ratios"] if r["name"].startswith("quasar-tree acceptance"))
     assert tree_l["value"] == pytest.approx(res["modes"]["quasar-tree"]["mean_accepted"]
                                             / res["modes"]["quasar"]["mean_accepted"])
     # int8 weights: fewer bytes per step than the float model
@@ -194,7 +194,7 @@ def test_aggregate_definitions():
 def test_the_floor_counts_the_kv_cache_a_step_reads():
     """Each step reads its context's K and V in every layer: prompt + half the output on
     average, in the engine's precision; the floor adds it to the weights."""
-    from quasar.bench.peers import RunResult
+    from quasar.bench.engine import RunResult
     from quasar.bench.runner import _median_run, aggregate, kv_token_bytes
     from quasar.models.config import ModelConfig
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from quasar.bench.engine import Unavailable
 from quasar.bench.openvino import (
     EXPORT_PYTHON_VAR,
     MANIFEST,
@@ -18,7 +19,6 @@ from quasar.bench.openvino import (
     export_python,
     ir_weight_bytes,
 )
-from quasar.bench.peers import Unavailable
 from quasar.cli import main
 
 FAST = ["--threads", "1", "--bandwidth-gb", "0.0625", "--no-progress", "--repeats", "1"]

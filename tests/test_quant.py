@@ -5,6 +5,7 @@ and bad `quasar quantize` inputs fail cleanly."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import load_model
 from quasar.quant import smooth as sm
-from quasar.quant.calibrate import calibrate, token_windows
+from quasar.quant.calibrate import CalibrationStats, StatsCollector, token_windows
 from quasar.quant.checkpoint import prepare_quantized_modules, quantization_config, save_checkpoint
 from quasar.eval.fidelity import compare_models
 from quasar.quant.int8 import Int8Linear, set_backend
@@ -58,6 +59,57 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- smoothing
+# The package folds rotation and smoothing into one decoder layer at a time (sequential.py)
+# and never holds a whole float model. These whole-model versions of the same pieces are
+# the reference the exactness tests need: only a whole float model's logits show that a
+# fold leaves the function unchanged, embeddings and lm_head included.
+
+
+def bind_groups(model, smooth_o_down=True, lm_head=False):
+    """The smoothing groups of a whole model, in order; `lm_head` adds model.norm -> lm_head."""
+    groups = [bg for i, layer in enumerate(model.model.layers)
+              for bg in sm.layer_groups(layer, model.config, i, smooth_o_down)]
+    if lm_head:
+        groups += sm.head_groups(model.model.norm, model.lm_head, model.config)
+    return groups
+
+
+@torch.inference_mode()
+def calibrate(model, windows) -> CalibrationStats:
+    """Input statistics of every decoder linear (lm_head included) over a whole float model."""
+    collector = StatsCollector(len(windows))
+    collector.hook({name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                    and (name.startswith("model.layers.") or name == "lm_head")})
+    saved_cache = model.cache
+    try:
+        model.cache = None
+        model.setup_cache(max(len(w) for w in windows))
+        for ids in windows:
+            collector.window(len(ids))
+            model.cache.length = 0
+            model(torch.tensor([ids]), logits="all")  # "all": lm_head sees every position
+    finally:
+        stats = collector.finish()
+        model.cache = saved_cache
+    return stats
+
+
+@torch.no_grad()
+def rotate_model(model) -> None:
+    """Fold the sequential quantizer's rotations into a whole float model in place; lm_head
+    is untied (it reads the rotated stream, the embeddings write it)."""
+    cfg = model.config
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    q, r = sm.rotations(cfg)
+    emb = model.model.embed_tokens
+    emb.weight.data = sm.rotate_rows(emb.weight.detach(), q)
+    for layer in model.model.layers:
+        sm.rotate_layer(layer, cfg, q, r)
+    head, norm = model.lm_head, model.model.norm
+    head.weight.data = sm.rotate_rows(head.weight.detach(), q, norm.weight)
+    norm.weight.data = torch.ones_like(norm.weight)
+    model.config = dataclasses.replace(cfg, tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -66,7 +118,7 @@ def test_rotation_leaves_float_logits_unchanged(arch, model_dirs):
     ids = loaded.tokenizer.encode(PROMPT)
     ref = logits(loaded.model, ids)
     work = copy.deepcopy(loaded.model)
-    sm.rotate_model(work)
+    rotate_model(work)
     assert not work.config.tie_word_embeddings
     assert torch.equal(work.model.layers[0].input_layernorm.weight, torch.ones(64))
     assert rel_diff(logits(work, ids), ref) <= 1e-5
@@ -80,16 +132,16 @@ def test_smoothing_leaves_float_logits_unchanged(arch, model_dirs):
     ref = logits(loaded.model, ids)
     work = copy.deepcopy(loaded.model)
     work.lm_head.weight = torch.nn.Parameter(work.lm_head.weight.detach().clone())  # untie
-    groups = sm.bind_groups(work, smooth_o_down=True, lm_head=True)
+    groups = bind_groups(work, smooth_o_down=True, lm_head=True)
     assert {g.group.name for g in groups} == {"attn_in", "mlp_in", "attn_out", "mlp_out", "head_in"}
-    stats = calibrate(work, token_windows(loaded.tokenizer, CALIB, 2, 48), progress=False)
-    chosen = sm.smooth_model(work, stats, 0.5, smooth_o_down=True, lm_head=True)
+    stats = calibrate(work, token_windows(loaded.tokenizer, CALIB, 2, 48))
+    chosen = sm.smooth_groups(groups, stats, 0.5)
     assert len(chosen) == len(groups)
     assert rel_diff(logits(work, ids), ref) <= 1e-5
     # arbitrary strong scales too: exactness must not rely on the scales being mild (a wrong
     # GQA mapping for v->o would show here: 4 query heads share 2 kv heads)
     gen = torch.Generator().manual_seed(0)
-    for bg in sm.bind_groups(work, smooth_o_down=True, lm_head=True):
+    for bg in bind_groups(work, smooth_o_down=True, lm_head=True):
         s_prod, _ = sm.group_scales(bg, stats.act_max[bg.sample_name], 0.5)
         s = torch.empty_like(s_prod).uniform_(0.25, 4.0, generator=gen)
         sm.fold(bg, s, sm._to_consumer(s, bg) if bg.group.kind == "heads" else s)

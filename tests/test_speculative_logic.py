@@ -26,7 +26,7 @@ def ngram(history, **opts):
     return d
 
 
-def reference_propose(history, k, n_min, n_max, prefer):
+def reference_propose(history, k, n_min, n_max):
     """Brute force: scan the whole history for the longest suffix seen before, copy forward."""
     length = len(history)
     for n in range(n_max, n_min - 1, -1):
@@ -36,7 +36,7 @@ def reference_propose(history, k, n_min, n_max, prefer):
         # `end` = position right after an occurrence; end <= length - 1 excludes the suffix itself
         ends = [e for e in range(n, length) if history[e - n:e] == suffix]
         if ends:
-            start = max(ends) if prefer == "recent" else min(ends)
+            start = max(ends)  # the most recent occurrence
             seq = list(history)
             for j in range(k):
                 seq.append(seq[start + j])
@@ -65,10 +65,9 @@ def test_n_max_respected():
     assert ngram(h, n_max=2).propose(1) == [5]
 
 
-def test_recent_vs_earliest():
+def test_most_recent_occurrence_wins():
     h = [1, 10, 1, 11, 1, 12, 1]
-    assert ngram(h, n_max=1, prefer="recent").propose(1) == [12]
-    assert ngram(h, n_max=1, prefer="earliest").propose(1) == [10]
+    assert ngram(h, n_max=1).propose(1) == [12]
 
 
 def test_no_self_match():
@@ -108,22 +107,21 @@ def test_reset_forgets():
     assert d.propose(1) == []
 
 
-@pytest.mark.parametrize("prefer", ["recent", "earliest"])
 @pytest.mark.parametrize("n_min,n_max", [(1, 1), (1, 3), (2, 4)])
-def test_incremental_matches_rebuild_and_reference(prefer, n_min, n_max):
+def test_incremental_matches_rebuild_and_reference(n_min, n_max):
     for seed in range(40):
         rng = random.Random(seed)
         vocab = rng.choice([2, 3, 5])
         stream = [rng.randrange(vocab) for _ in range(rng.randrange(0, 60))]
         cut = rng.randrange(0, len(stream) + 1)
-        inc = ngram(stream[:cut], n_min=n_min, n_max=n_max, prefer=prefer)
+        inc = ngram(stream[:cut], n_min=n_min, n_max=n_max)
         pos = cut
         while True:
             h = stream[:pos]
             k = rng.randrange(0, 7)
-            expected = reference_propose(h, k, n_min, n_max, prefer)
+            expected = reference_propose(h, k, n_min, n_max)
             assert inc.propose(k) == expected, (seed, h, k)
-            assert ngram(h, n_min=n_min, n_max=n_max, prefer=prefer).propose(k) == expected
+            assert ngram(h, n_min=n_min, n_max=n_max).propose(k) == expected
             if pos == len(stream):
                 break
             step = rng.randrange(1, 4)
@@ -134,8 +132,8 @@ def test_incremental_matches_rebuild_and_reference(prefer, n_min, n_max):
 def test_no_drafter_and_factory():
     assert NoDrafter().propose(5) == []
     assert isinstance(make_drafter("none"), NoDrafter)
-    d = make_drafter("ngram", n_min=2, n_max=4, prefer="earliest")
-    assert isinstance(d, NgramDrafter) and (d.n_min, d.n_max, d.prefer) == (2, 4, "earliest")
+    d = make_drafter("ngram", n_min=2, n_max=4)
+    assert isinstance(d, NgramDrafter) and (d.n_min, d.n_max) == (2, 4)
     assert d.name == "ngram" and make_drafter("none").name == "none"
     with pytest.raises(QuasarError, match="known drafters: auto, ngram, none, tree"):
         make_drafter("eagle")

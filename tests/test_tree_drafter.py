@@ -11,7 +11,7 @@ from quasar.errors import QuasarError
 from quasar.speculative.registry import make_drafter
 from quasar.speculative.drafters import DraftTree
 from quasar.speculative.generate import ROW_KEY_SHARE, row_cost_at
-from quasar.speculative.tree_drafter import EDGE_PROB, PRIOR_WEIGHT, TreeDrafter, edge_prob
+from quasar.speculative.tree_drafter import EDGE_PROB, PRIOR_WEIGHT, TreeDrafter, evidence_cell
 
 
 def brute_followers(history, context, n_min, n_max):
@@ -37,6 +37,12 @@ def brute_recycled(steps, token):
     return []
 
 
+def measured_prob(n, count, total, rank):
+    """EDGE_PROB at the evidence cell of a candidate (arguments as for `evidence_cell`)."""
+    n, majority, column = evidence_cell(n, count, total, rank)
+    return EDGE_PROB[n][majority][column]
+
+
 def brute_edges(history, steps, path, n_min, n_max):
     """token -> edge probability below history + path, straight from the module's
     definitions: the longest n-gram proposing the token, and its recycled rank."""
@@ -46,7 +52,7 @@ def brute_edges(history, steps, path, n_min, n_max):
         for token, (count, _) in seen.items():
             longest[token] = (n, count, total)
     ranks = {token: rank for rank, token in enumerate(brute_recycled(steps, context[-1]))}
-    return {token: edge_prob(*longest.get(token, (0, 0, 0)), ranks.get(token))
+    return {token: measured_prob(*longest.get(token, (0, 0, 0)), ranks.get(token))
             for token in longest.keys() | ranks.keys()}
 
 
@@ -160,9 +166,9 @@ def test_options_and_factory():
 
 
 def test_edge_probabilities_are_the_measured_table():
-    assert edge_prob(3, 5, 6, 0) == EDGE_PROB[3][True][0]  # a 3-gram that mostly continues so
-    assert edge_prob(4, 1, 3, None) == EDGE_PROB[3][False][3]  # longer n-grams count as 3
-    assert edge_prob(0, 0, 0, 7) == EDGE_PROB[0][False][2]  # recycled only, rank 2 or more
+    assert evidence_cell(3, 5, 6, 0) == (3, True, 0)  # a 3-gram that mostly continues so
+    assert evidence_cell(4, 1, 3, None) == (3, False, 3)  # longer n-grams count as 3
+    assert evidence_cell(0, 0, 0, 7) == (0, False, 2)  # recycled only, rank 2 or more
     for n in EDGE_PROB:
         for row in EDGE_PROB[n].values():
             assert all(0.0 <= p < 1.0 for p in row)

@@ -39,8 +39,10 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from quasar.bench.peers import OPENVINO_PEERS, Contender, RunResult, Unavailable
+from quasar.bench.engine import Contender, RunResult, Unavailable
 from quasar.paths import cache_dir
+
+OPENVINO_PEERS = ("openvino", "openvino-pld")
 
 PLD_ASSISTANT_TOKENS = 5
 PLD_MAX_NGRAM = 3

@@ -1,16 +1,6 @@
-"""Engines the benchmark times: Quasar's own modes and peers, behind one small interface.
+"""The peers the benchmark times against Quasar, behind the `Contender` interface of
+`quasar.bench.engine` (which also states the timing rule every engine follows).
 
-Every engine takes the same prompt token ids and returns a `RunResult`. Timing follows one
-rule for all of them: the *decode* rate counts tokens produced by decoding steps and the
-time those steps took, prefill excluded.
-- Quasar: prefill reads the prompt but its last token; every new token then comes from a
-  decoding step, so decode time = `stats.decode_s`, rate tokens = new tokens.
-- Peers (transformers, llama.cpp): the prefill forward itself yields the first new token,
-  so decode time = end − arrival of the first new token, rate tokens = new tokens − 1.
-A verifier "step" is one forward after prefill (forward calls are counted), and the
-tokens a step emits feed the acceptance-length histogram.
-
-Peers:
 - `hf`, `hf-pld`: transformers `generate`, greedy, on the same model directory Quasar
   loaded (for a GGUF source, its float conversion); `hf-pld` adds
   `prompt_lookup_num_tokens=10`.
@@ -29,58 +19,20 @@ import ctypes
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from quasar.bench.engine import Contender, RunResult, Unavailable
+from quasar.bench.openvino import OPENVINO_PEERS, OpenVINOPeer
 from quasar.paths import cache_dir
 
 HF_PEERS = ("hf", "hf-pld")
 LLAMACPP_PEERS = ("llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8")
-OPENVINO_PEERS = ("openvino", "openvino-pld")  # quasar/bench/openvino.py
 PEERS = HF_PEERS + LLAMACPP_PEERS + OPENVINO_PEERS
 HF_PLD_TOKENS = 10
 LLAMACPP_PLD_TOKENS = 2
 LLAMA_FTYPES = {"Q8_0": 7, "Q4_K_M": 15, "BF16": 32}  # llama.h enum llama_ftype
-
-
-class Unavailable(Exception):
-    """An engine that cannot run here; the message says why (shown in the report)."""
-
-
-@dataclass
-class RunResult:
-    token_ids: list[int]  # generated tokens, EOS excluded
-    new_tokens: int  # len(token_ids)
-    rate_tokens: int  # tokens produced by the timed decoding steps (see module doc)
-    step_tokens: int  # tokens emitted by the counted steps (EOS included): acceptance numerator
-    steps: int  # forwards after prefill
-    prefill_s: float
-    decode_s: float
-    wall_s: float
-    hist: Counter = field(default_factory=Counter)  # tokens emitted per step -> steps
-
-
-class Contender:
-    name: str = ""
-    kind: str = "peer"  # "mode" (Quasar) or "peer"
-    description: str = ""
-    bytes_per_step: int | None = None
-    # Bytes of one KV cache element (None: not known, e.g. a peer that picks its own cache
-    # precision): the runner adds the KV cache a step reads to its floor (runner.aggregate).
-    kv_element_size: int | None = None
-    weights: str = ""  # what weights it reads, for the report
-
-    def prepare(self) -> None:
-        """Load what is needed; raise Unavailable (or QuasarError) if it cannot run."""
-
-    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
-        raise NotImplementedError
-
-    def info(self) -> dict:
-        return {"kind": self.kind, "description": self.description, "weights": self.weights,
-                "bytes_per_step": self.bytes_per_step, "kv_element_size": self.kv_element_size}
 
 
 # --------------------------------------------------------------------------- transformers
@@ -337,8 +289,6 @@ def make_peers(names: list[str], *, model_dir: Path, dtype: torch.dtype, gguf_pa
         if name in HF_PEERS:
             engines.append(HFPeer(name, shared))
         elif name in OPENVINO_PEERS:
-            from quasar.bench.openvino import OpenVINOPeer
-
             engines.append(OpenVINOPeer(name, model_dir, threads, eos_ids))
         else:
             engines.append(LlamaCppPeer(name, gguf_path, threads, n_ctx, eos_ids, why_no_gguf))

@@ -142,12 +142,8 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
              + (f" ({env['git_commit']})" if env.get("git_commit") else ""))
     L += ["", "## Overall", ""]
     L += engine_table(results)
-    L += ["", "## Targets", ""]
-    trows = []
-    for t in results.get("targets", []):
-        met = {True: "yes", False: "no", None: "not measured"}[t["met"]]
-        trows.append([t["name"], t["target"], _f(t["value"]), met])
-    L += _table(("target", "wanted", "measured", "met"), trows)
+    L += ["", "## Ratios", ""]
+    L += _table(("ratio", "measured"), [[r["name"], _f(r["value"])] for r in results.get("ratios", [])])
     if plots:
         L += ["", "## Plots", ""]
         if "speedup" in plots:

@@ -84,8 +84,3 @@ class Rows:
         end = max(self.cache_index) + 1
         if end > max_seq_len:
             raise QuasarError(f"context is full: {end} tokens exceed the {max_seq_len}-token context")
-
-    def slot_rows(self, slot: int) -> range:
-        """The step's row indices of one slot."""
-        rows = [r for r, s in enumerate(self.slots) if s == slot]
-        return range(rows[0], rows[-1] + 1) if rows else range(0)

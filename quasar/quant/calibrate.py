@@ -14,7 +14,6 @@ fidelity measurements only.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -103,16 +102,6 @@ def token_windows(tokenizer, texts: str | Mapping[str, str], n_samples: int, seq
     return windows
 
 
-def decoder_linears(model: nn.Module, include_lm_head: bool = True) -> dict[str, nn.Linear]:
-    """Every ``nn.Linear`` of the decoder layers (and ``lm_head``) by its HF name."""
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and (name.startswith("model.layers.") or
-                                               (include_lm_head and name == "lm_head")):
-            out[name] = module
-    return out
-
-
 class StatsCollector:
     """Accumulates ``CalibrationStats`` from the inputs of named linear layers.
 
@@ -171,44 +160,3 @@ class StatsCollector:
             if chunks:
                 self.stats.samples[name] = torch.cat(chunks)[:self.keep_rows]
         return self.stats
-
-
-@torch.inference_mode()
-def calibrate(model: nn.Module, windows: list[list[int]], keep: Iterable[str] = (),
-              keep_rows: int = DEFAULT_KEEP_ROWS, include_lm_head: bool = True, progress: bool = True,
-              seed: int = 0, source: str = "", hessians: Iterable[str] = (),
-              hessian_stride: int = 4) -> CalibrationStats:
-    """Run a whole float ``model`` over ``windows`` and collect input statistics per linear
-    (the sequential quantizer collects them one layer at a time instead).
-
-    ``include_lm_head=False`` skips the vocabulary projection (a large share of the time)
-    when its statistics are not needed.
-
-    The model's KV cache is swapped for a private one for the duration, so calibrating a
-    model that is also serving requests leaves its cache untouched.
-    """
-    from tqdm import tqdm
-
-    if not windows:
-        raise QuasarError("no calibration windows")
-    collector = StatsCollector(len(windows), keep, hessians, keep_rows, seed, hessian_stride)
-    collector.hook(decoder_linears(model, include_lm_head))
-    saved_cache = getattr(model, "cache", None)
-    dev = next(model.parameters()).device
-    n_tokens = 0
-    try:
-        model.cache = None
-        model.setup_cache(max(len(w) for w in windows))
-        for ids in tqdm(windows, desc="calibrating", unit="sample", file=sys.stderr, disable=not progress,
-                        leave=False):
-            collector.window(len(ids))
-            model.cache.length = 0
-            # logits="all" makes lm_head see every position; "none" skips it
-            model(torch.tensor([ids], device=dev), logits="all" if include_lm_head else "none")
-            n_tokens += len(ids)
-    finally:
-        stats = collector.finish()
-        model.cache = saved_cache
-    stats.n_samples, stats.seq_len, stats.n_tokens, stats.source = (
-        len(windows), max(len(w) for w in windows), n_tokens, source)
-    return stats

@@ -7,7 +7,7 @@ and cached by the caller, never saved); ``mm(qx [M, K] int8, packed)`` returns i
 [M, N], possibly as a non-contiguous view.
 
 CPU: oneDNN's ``torch._int_mm`` accepts any shape and is fastest with the *unsigned*
-operand on the left; three exact variants use that differently (s8, u8x, u8w below) and
+operand on the left; two exact variants use that differently (s8, u8x below) and
 ``cpu`` picks per call by M (see the policy note). oneDNN without VNNI may saturate
 u8 x s8 pairs in int16, so each variant is checked once per process on extreme values
 and dropped if inexact. ``cpu_fused`` hands Int8Linear the same choice as a single C++
@@ -61,7 +61,7 @@ def reference_pack(weight: Tensor) -> Packed:
 
 
 # ---------------------------------------------------------------- cpu variants
-# Three exact ways to get int32 qx @ W.T out of oneDNN's ``_int_mm`` (for K >= 2: see
+# Two exact ways to get int32 qx @ W.T out of oneDNN's ``_int_mm`` (for K >= 2: see
 # ``_pick``); oneDNN's fast VNNI kernels want the *unsigned* operand on the left.
 def s8_pack(weight: Tensor) -> Packed:
     """s8 x s8 uses the column-major [K, N] view ``weight.t()``: no copy."""
@@ -91,28 +91,9 @@ def u8x_mm(qx: Tensor, packed: Packed) -> Tensor:
     return torch._int_mm(ux, weight.t()).sub_(comp)
 
 
-def u8w_pack(weight: Tensor) -> Packed:
-    """(W + 128) as uint8 plus a row of ones, [N + 1, K]: an extra copy of the weight."""
-    ones = torch.ones((1, weight.shape[1]), dtype=torch.uint8, device=weight.device)
-    return (torch.cat([weight.view(torch.uint8) ^ 128, ones]), weight.shape[0])
-
-
-def u8w_mm(qx: Tensor, packed: Packed) -> Tensor:
-    """Transposed problem (W + 128) @ qx.T; the ones row yields rowsum(qx) for the fix-up.
-
-    Fastest GEMM at M = 2..128, but it returns a transposed view, and elementwise ops
-    on that layout are so slow for small M that the whole layer loses: measured, not
-    used by ``cpu``.
-    """
-    wu, n = packed
-    acc = torch._int_mm(wu, qx.t())  # [N + 1, M]
-    return torch.sub(acc[:n], acc[n:], alpha=128).t()
-
-
 CPU_VARIANTS: dict[str, tuple[Callable[[Tensor], Packed], Callable[[Tensor, Packed], Tensor]]] = {
     "s8": (s8_pack, s8_mm),
     "u8x": (u8x_pack, u8x_mm),
-    "u8w": (u8w_pack, u8w_mm),
 }
 
 
@@ -149,10 +130,12 @@ def exact_cpu_variants() -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- cpu
-# Policy, from `python -m quasar.quant.bench_kernels` (whole layer incl. quantization and
+# Policy, from `python scripts/bench_kernels.py` (whole layer incl. quantization and
 # epilogue): M = 1 -> u8x (oneDNN's u8 x s8 GEMV beats s8 x s8 on wide layers, ties on small
-# ones); M > 1 -> s8 (u8x loses the GEMV and pays the shift; u8w's transposed output slows
-# the epilogue more than its GEMM gains). Neither needs a copy of the weight.
+# ones); M > 1 -> s8 (u8x loses the GEMV and pays the shift). Neither needs a copy of the
+# weight. A third variant, the transposed problem (W + 128) @ qx.T, has the fastest GEMM at
+# M = 2..128 but returns a transposed view whose epilogue costs more than the GEMM gains,
+# so it is not kept.
 _PREFERENCE = {True: ("u8x", "s8"), False: ("s8", "u8x")}  # keyed by M == 1
 
 

@@ -21,14 +21,15 @@ Qwen3's q/k RMSNorm sits on the q/k *outputs*; input-side smoothing is unaffecte
 the relative output error of the fake-quantized consumers (int8 per-token activations,
 int8 per-channel weights, exactly the kernels' rounding) on calibration activation rows.
 
-``rotate_model`` is the other exact fold used before smoothing: an orthogonal rotation of
-the residual stream (norm weights folded into their readers) and of the value heads, which
-spreads outlier channels over all channels (measured on SmolLM2-135M: a third less KL).
+Rotation (``rotations``, ``rotate_layer``, ``rotate_rows``) is the other exact fold used
+before smoothing: an orthogonal rotation of the residual stream (norm weights folded into
+their readers) and of the value heads, which spreads outlier channels over all channels
+(measured on SmolLM2-135M: a third less KL). The sequential quantizer applies both one
+decoder layer at a time; it never holds a whole float model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -111,15 +112,6 @@ def head_groups(norm: nn.Module, lm_head: nn.Module, cfg) -> list[BoundGroup]:
     """``model.norm -> lm_head`` (only smoothed when lm_head is int8)."""
     modules = {"model.norm": norm, "lm_head": lm_head}
     return [_bind(g.name, g, modules, "", cfg) for g in FINAL_GROUPS]
-
-
-def bind_groups(model: nn.Module, smooth_o_down: bool = True, lm_head: bool = False) -> list[BoundGroup]:
-    """The groups to smooth in ``model``, in order; ``lm_head`` adds ``model.norm -> lm_head``."""
-    groups = [bg for i, layer in enumerate(model.model.layers)
-              for bg in layer_groups(layer, model.config, i, smooth_o_down)]
-    if lm_head:
-        groups += head_groups(model.model.norm, model.lm_head, model.config)
-    return groups
 
 
 def sample_names(groups: Sequence[BoundGroup]) -> list[str]:
@@ -257,12 +249,6 @@ def smooth_groups(groups: Sequence[BoundGroup], stats: CalibrationStats, alpha: 
     return chosen
 
 
-def smooth_model(model: nn.Module, stats: CalibrationStats, alpha: float | str,
-                 smooth_o_down: bool = True, lm_head: bool = False, **kwargs) -> dict[str, float | None]:
-    """``smooth_groups`` over every group of a whole model (calibrated as a whole)."""
-    return smooth_groups(bind_groups(model, smooth_o_down, lm_head), stats, alpha, **kwargs)
-
-
 # --------------------------------------------------------------------------- rotation
 
 
@@ -337,31 +323,3 @@ def rotate_layer(layer: nn.Module, cfg, q: Tensor, r: Tensor | None) -> None:
 def rotations(cfg, seed: int = 0, heads: bool = True) -> tuple[Tensor, Tensor | None]:
     """(residual rotation [hidden, hidden], value-head rotation [head_dim, head_dim] or None)."""
     return rotation_matrix(cfg.hidden_size, seed), rotation_matrix(cfg.head_dim, seed + 1) if heads else None
-
-
-@torch.no_grad()
-def rotate_model(model: nn.Module, seed: int = 0, heads: bool = True) -> None:
-    """Fold orthogonal rotations into a whole float ``model`` in place (exact in float, up
-    to rounding).
-
-    The residual stream is rotated by Q: every RMSNorm weight is folded into the linears
-    it feeds (an unweighted RMSNorm commutes with Q, as it preserves the norm) and set to
-    one; the embeddings and the linears writing into the stream (o, down) produce rotated
-    vectors, the readers (q, k, v, gate, up, lm_head) take them. With ``heads``, each value
-    head is rotated by R and ``o_proj``'s columns of every query head by the same R (one
-    R for all heads, so GQA sharing is consistent). Outlier channels get spread over all
-    channels, which is what per-token int8 activations need. lm_head is untied. The
-    sequential quantizer applies the same pieces one layer at a time.
-    """
-    cfg = model.config
-    if not isinstance(model.lm_head, nn.Linear):
-        raise QuasarError("rotate_model expects a float model (rotate before quantizing)")
-    if model.lm_head.weight is model.model.embed_tokens.weight:
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-    q, r = rotations(cfg, seed, heads)
-    emb = model.model.embed_tokens
-    _set(emb.weight, rotate_rows(emb.weight.detach(), q))
-    for layer in model.model.layers:
-        rotate_layer(layer, cfg, q, r)
-    _read((model.lm_head,), model.model.norm, q)
-    model.config = dataclasses.replace(cfg, tie_word_embeddings=False)

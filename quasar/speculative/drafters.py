@@ -117,14 +117,11 @@ class NoDrafter(Drafter):
         return []
 
 
-_PREFER = ("recent", "earliest")
-
-
 class NgramDrafter(Drafter):
     """Prompt lookup: match the history's longest recent suffix and copy what followed it.
 
-    For each n in [n_min, n_max] an index maps an n-gram to the position just after one of
-    its earlier occurrences (the most recent or the earliest, per `prefer`). An n-gram is
+    For each n in [n_min, n_max] an index maps an n-gram to the position just after its
+    most recent earlier occurrence (recent text predicts what comes next). An n-gram is
     indexed only once a token follows it, so the current suffix never matches itself and
     every match has at least one token to copy. Updating costs O(n_max) per token and
     `propose` costs O(n_max + k), independent of the history length.
@@ -136,19 +133,17 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX,
-                 prefer: str = "recent") -> None:
-        self.check_options(n_min, n_max, prefer)
+    def __init__(self, n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX) -> None:
+        self.check_options(n_min, n_max)
         self.n_min = n_min
         self.n_max = n_max
-        self.prefer = prefer
         self._history: list[int] = []
         # _index[n][ngram] = position in history of the token that followed that ngram
         self._index: dict[int, dict[tuple[int, ...], int]] = {}
         self.reset([])
 
     @staticmethod
-    def check_options(n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX, prefer: str = "recent") -> None:
+    def check_options(n_min: int = DEFAULT_NGRAM_MIN, n_max: int = DEFAULT_NGRAM_MAX) -> None:
         """Raise QuasarError for options the constructor would refuse."""
         if isinstance(n_min, bool) or isinstance(n_max, bool) or not isinstance(n_min, int) \
                 or not isinstance(n_max, int) or n_min < 1:
@@ -157,8 +152,6 @@ class NgramDrafter(Drafter):
         if n_max < n_min:
             raise QuasarError(f"ngram drafter needs n_min <= n_max, got n_min={n_min}, n_max={n_max}",
                               param="ngram_max")
-        if prefer not in _PREFER:
-            raise QuasarError(f"ngram drafter: prefer must be one of {', '.join(_PREFER)}, got {prefer!r}")
 
     def reset(self, prompt_ids: list[int]) -> None:
         self._history = []
@@ -166,18 +159,13 @@ class NgramDrafter(Drafter):
         self.extend(prompt_ids)
 
     def extend(self, new_ids: list[int]) -> None:
-        recent = self.prefer == "recent"
         hist = self._history
         for tok in new_ids:
             pos = len(hist)  # `tok` goes here; index the n-grams it follows
             for n, table in self._index.items():
                 if pos < n:
                     continue
-                key = tuple(hist[pos - n:pos])
-                if recent:
-                    table[key] = pos
-                else:
-                    table.setdefault(key, pos)
+                table[tuple(hist[pos - n:pos])] = pos
             hist.append(int(tok))
 
     def propose(self, k: int) -> list[int]:
@@ -193,7 +181,7 @@ class NgramDrafter(Drafter):
         return out
 
     def _match(self) -> int | None:
-        """Position right after the chosen earlier occurrence of the longest suffix."""
+        """Position right after the most recent earlier occurrence of the longest suffix."""
         hist = self._history
         for n in range(self.n_max, self.n_min - 1, -1):
             if len(hist) < n:
@@ -202,8 +190,3 @@ class NgramDrafter(Drafter):
             if pos is not None:
                 return pos
         return None
-
-    @property
-    def history_length(self) -> int:
-        """Number of tokens seen (prompt + extensions); handy for checks in the loop."""
-        return len(self._history)

@@ -175,10 +175,11 @@ class _Output:
 
 
 # A row's attention over one cached key costs a verifier step about this share of what
-# reading that key's K/V costs it. Default model with AMX tiles at 5,332 cached keys: each
-# row adds ~1.2 ms where the one-row step's K/V reads take ~7.7 ms (0.15); 0.25 decoded that
-# prompt fastest (interleaved, tree budget 15: 0.08 / 0.15 / 0.25 gave 187 / 186 / 194
-# tokens/s against the chain's 195), as deeper trees also cost the drafter more.
+# reading that key's K/V costs it. The attention alone measures lower (a row's extra time
+# at a long context against the one-row step's K/V reads), but a share above it decodes long
+# prompts fastest, as deeper trees also cost the drafter more: set by decoding
+# `scripts/make_long_prompt.py`'s prompt with `quasar bench --prompts long.jsonl --modes
+# quasar,quasar-tree` at each candidate share.
 ROW_KEY_SHARE = 0.25
 
 

@@ -67,12 +67,6 @@ def evidence_cell(n: int, count: int, total: int, rank: int | None) -> Cell:
     return min(n, 3), n > 0 and 2 * count >= total, 3 if rank is None else min(rank, 2)
 
 
-def edge_prob(n: int, count: int, total: int, rank: int | None) -> float:
-    """EDGE_PROB of a candidate (arguments as for `evidence_cell`)."""
-    n, majority, column = evidence_cell(n, count, total, rank)
-    return EDGE_PROB[n][majority][column]
-
-
 # How many observations the measured EDGE_PROB counts for against what the sequence at hand
 # shows. A text's own repeats are accepted more or less often than the held-out average (a
 # summary copying long spans of its source: 3-gram matches ~97% instead of 90%), so each

@@ -1,6 +1,6 @@
 """Time fp32 vs each exact int8 CPU path per layer shape, to pick the ``cpu`` policy.
 
-Run ``python -m quasar.quant.bench_kernels [--threads 2] [--budget-ms 15]``. Paths are
+Run ``python scripts/bench_kernels.py [--threads 2] [--budget-ms 15]`` (quasar installed). Paths are
 interleaved round by round (A B C A B C ...) after warm-up and the median per-call time is
 reported, so drifting machine load hits every path alike. "gemm" times the int8 x int8 ->
 int32 product alone; "layer" adds per-token quantization and the fp32 epilogue (what a
