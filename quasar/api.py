@@ -25,7 +25,7 @@ from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_BATCH_ROWS, DEFAULT_CONTE
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
-from quasar.quant.step_cost import install_measured
+from quasar.quant import step_cost
 from quasar.speculative.registry import (AUTO, check_drafter_name, drafter_class, drafter_options, make_drafter,
                                          resolve_drafter)
 from quasar.speculative.batch import BatchDecoder, decode
@@ -103,7 +103,7 @@ class LLM:
         compiled or loaded) and warmed up with one step, once."""
         if name not in self._verifiers:
             model = build_verifier(name, self._float_model, self._w8a8)
-            install_measured(model)  # what its rows cost on this CPU (a fused W8A8 step only)
+            step_cost.install_measured(model)  # what its rows cost on this CPU (a fused W8A8 step only)
             model.setup_cache(self.max_context, n_slots=self.max_batch)
             # One step now, so one-time work (loading the int8 kernels, packing weights) is
             # not timed as decoding later.
@@ -202,7 +202,7 @@ class LLM:
         drafter = drafter or self.drafter
         cheap_rows = False
         if drafter == AUTO and verifier == "w8a8":
-            costs = self.verifier_model(verifier).step_costs
+            costs = step_cost.current(self.verifier_model(verifier))
             cheap_rows = costs is not None and costs.rows_are_cheap
         return resolve_drafter(drafter, cheap_rows)
 

@@ -54,11 +54,20 @@ def main() -> None:
     gbps = measure_read_bandwidth()["gb_per_s"]
     floor_ms = read / gbps / 1e6
     one = statistics.median(times[counts[0]])
+    from quasar.quant import ext
+
+    print(f"kernel path {ext.kernel_path()} (QUASAR_ISA=... forces a lower one); CPU {_cpu()}")
     print(f"int8 weights read per step {read / 1e9:.3f} GB, bandwidth {gbps:.1f} GB/s, floor {floor_ms:.1f} ms")
     print("rows | step ms (median) | vs first | vs floor")
     for k in counts:
         t = statistics.median(times[k])
         print(f"{k:4d} | {t * 1e3:9.1f} | {t / one:5.2f}x | {t * 1e3 / floor_ms:5.2f}x")
+
+
+def _cpu() -> str:
+    from quasar.bench.runner import environment
+
+    return environment(torch.get_num_threads())["cpu"]
 
 
 if __name__ == "__main__":

@@ -279,27 +279,38 @@ def test_cli_generate_with_the_tree_drafter(char_llm, capsys):
     assert "draft_budget must be an integer in [1, 64], got 0" in capsys.readouterr().err
 
 
-def test_auto_drafter_is_tree_on_the_w8a8_step_with_amx_tiles_else_ngram(char_llm):
-    """`auto` (the default) decodes with tree drafts only where the W8A8 fused step takes 16
-    rows in one pass (AMX), and every result names the drafter that actually ran."""
-    from quasar.quant import ext
-    from quasar.quant.fused_step import step_pass_rows
+def test_auto_drafter_follows_the_measured_step_costs(char_llm):
+    """`auto` (the default) decodes with tree drafts only where the W8A8 fused step, timed on
+    this CPU for this model, takes 16 rows at little more than one row's cost
+    (quasar.quant.step_cost), measured again for another kernel path; every result names
+    the drafter and the kernel path that actually ran."""
+    from quasar.quant import ext, step_cost
 
-    amx = (step_pass_rows() or 0) >= 16
-    assert char_llm.resolve_drafter("auto", "w8a8") == ("tree" if amx else "ngram")
+    model = char_llm.verifier_model("w8a8")
+    costs = model.step_costs
+    assert costs is not None and costs.kernel_path == ext.kernel_path()
+    assert (model.row_cost, model.pass_rows) == (costs.row_cost, costs.pass_rows)
+    expected = "tree" if costs.rows_are_cheap else "ngram"
+    assert char_llm.resolve_drafter("auto", "w8a8") == expected
     assert char_llm.resolve_drafter("auto", "fp") == "ngram"  # the float verifier: the chain
     assert char_llm.resolve_drafter(None, "w8a8") == "ngram"  # this LLM's own default
-    if amx:
-        before = ext.amx_min_rows(0)  # AMX off (as QUASAR_NO_AMX=1): every row a VNNI pass
-        try:
-            assert char_llm.resolve_drafter("auto", "w8a8") == "ngram"
-        finally:
-            ext.amx_min_rows(before)
+    try:
+        with ext.forced_kernel_path("portable"):
+            char_llm.resolve_drafter("auto", "w8a8")
+            assert model.step_costs.kernel_path == "portable"
+    finally:
+        step_cost.install_measured(model)
     out = char_llm.generate("abcabcab", raw=True, max_new_tokens=8, drafter="auto", verifier="w8a8")
-    assert out.drafter == ("tree" if amx else "ngram")
+    assert out.drafter == expected and out.kernel_path == ext.kernel_path()
+    assert out.as_dict()["kernel_path"] == ext.kernel_path()
+    assert char_llm.generate("abcabcab", raw=True, max_new_tokens=4, verifier="fp").kernel_path == "pytorch"
     assert out.token_ids == char_llm.generate("abcabcab", raw=True, max_new_tokens=8, drafter="none",
                                               verifier="w8a8").token_ids
     assert char_llm.check_options(drafter="auto", verifier="fp").drafter == "ngram"
+    # unresolved, "auto" is checked as both drafters it may become, before anything is built
+    assert char_llm.check_options(drafter="auto", verifier="w8a8", resolve=False).drafter == "auto"
+    with pytest.raises(QuasarError, match="draft_budget"):
+        char_llm.check_options(drafter="auto", verifier="w8a8", draft_budget=0, resolve=False)
     with pytest.raises(QuasarError, match="unknown drafter"):
         LLM(str(char_llm.loaded.model_dir), drafter="autoo")
 

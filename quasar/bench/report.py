@@ -136,7 +136,8 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
     L.append(f"- Memory read bandwidth: **{band['gb_per_s']:.2f} GB/s** ({band['method']}; "
              f"{band['bytes'] / 2**30:.1f} GiB buffer; start/end "
              + ", ".join(f"{x:.2f}" for x in band.get("per_measurement_gb_per_s", [band["gb_per_s"]])) + " GB/s)")
-    L.append(f"- Environment: {env['cpu']}, {env['cpu_count']} cores; Python {env['python']}, torch {env['torch']}, "
+    L.append(f"- Environment: {env['cpu']}, {env['cpu_count']} cores, int8 kernel path "
+             f"**{env.get('kernel_path', 'unknown')}**; Python {env['python']}, torch {env['torch']}, "
              f"transformers {env.get('transformers') or 'absent'}, llama-cpp-python "
              f"{env.get('llama_cpp_python') or 'absent'}; quasar {env['quasar']}"
              + (f" ({env['git_commit']})" if env.get("git_commit") else ""))

@@ -248,6 +248,13 @@ def _git_commit() -> str | None:
         return None
 
 
+def _kernel_path() -> str:
+    """The int8 kernels' path this run's W8A8 engines decode on (amx ... portable, or pytorch)."""
+    from quasar.quant import ext
+
+    return ext.kernel_path()
+
+
 def environment(threads: int) -> dict:
     from quasar import __version__
 
@@ -258,6 +265,7 @@ def environment(threads: int) -> dict:
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "kernel_path": _kernel_path(),
         "torch": torch.__version__,
         "torch_threads": threads,
         "transformers": _version("transformers"),

@@ -69,6 +69,7 @@ __all__ = [
     "ENV_NO_AMX",
     "KERNEL_PATHS",
     "cpu_runs",
+    "onednn_exact",
     "forced_kernel_path",
     "kernel_path",
     "build_dir",
@@ -99,10 +100,16 @@ PYTORCH_PATH = "pytorch"  # what kernel_path() says when the op is unavailable
 NAME = "int8_linear"
 CSRC = Path(__file__).resolve().parent / "csrc"
 # One library: the linear op, the whole-layer op of quasar.quant.fused_step built on the
-# same GEMM (int8_gemm.h), and the per-row argmax / top-k of a step's logits. The cache digest covers every file here.
-SOURCES = tuple(CSRC / f for f in (f"{NAME}.cpp", "cpu_features.cpp", "gemm_avx2.cpp", "gemm_portable.cpp",
-                                    "decoder_layer.cpp", "step_avx2.cpp", "step_portable.cpp", "row_select.cpp"))
-HEADERS = tuple(CSRC / f for f in ("int8_gemm.h", "cpu_features.h", "step_kernels.h", "step_vec8.inc"))
+# same GEMM (int8_gemm.h), and the per-row argmax / top-k of a step's logits. The cache
+# digest covers every file listed.
+# cpu_features: the kernel path; int8_linear + gemm_*: the int8 GEMMs per path; decoder_layer:
+# the fused step's orchestration, step_*: its float kernels per path, attention_*: attention
+# over a bfloat16 cache; row_select: per-row argmax / top-k.
+SOURCES = tuple(CSRC / f for f in (
+    "cpu_features.cpp", f"{NAME}.cpp", "gemm_avx2.cpp", "gemm_portable.cpp", "decoder_layer.cpp", "step_avx512.cpp",
+    "step_avx2.cpp", "step_portable.cpp", "attention_bf16.cpp", "attention_amx.cpp", "row_select.cpp"))
+HEADERS = tuple(CSRC / f for f in ("cpu_features.h", "int8_gemm.h", "step_kernels.h", "step_vec8.inc", "head_dim.h",
+                                   "simd_avx512.h", "attention.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for
@@ -177,6 +184,15 @@ def forced_kernel_path(path: str) -> Iterator[str]:
         yield str(torch.ops.quasar_quant.kernel_path(path))
     finally:
         torch.ops.quasar_quant.kernel_path(before)
+
+
+def onednn_exact(value: bool | None = None) -> bool:
+    """Whether the op may hand rows past its small-M limit to oneDNN on the AVX512 paths
+    (quasar.quant.kernels tells it whether oneDNN's int8 GEMM is exact here; below AVX512 it
+    never does); with ``value``, set it first. False without the op."""
+    if int8_linear_op() is None:
+        return False
+    return bool(torch.ops.quasar_quant.int8_onednn_exact(-1 if value is None else int(value)))
 
 
 def small_m_supported() -> bool:
@@ -300,10 +316,6 @@ def _load() -> None:
             op = torch.ops.quasar_quant.int8_linear
             if requested is not None:
                 torch.ops.quasar_quant.kernel_path(requested)
-            from quasar.quant.kernels import exact_cpu_variants
-
-            # oneDNN serves long steps on the AVX512 paths only where its sums are exact
-            torch.ops.quasar_quant.int8_onednn_exact(int("s8" in exact_cpu_variants()))
             if os.environ.get(ENV_NO_AMX, "").strip() not in ("", "0"):
                 torch.ops.quasar_quant.int8_amx_min_rows(0)
             _self_check(op)

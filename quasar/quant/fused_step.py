@@ -3,7 +3,7 @@
 At small model sizes a verifier step of a few tokens spends more time in ~50 small ATen
 ops per layer (norms, RoPE, one attention call per query for row invariance, residuals)
 than in reading its int8 weights. ``csrc/decoder_layer.cpp`` runs each
-layer's glue as plain loops between the same VNNI GEMMs Int8Linear uses;
+layer's glue as plain loops between the same int8 GEMMs Int8Linear uses;
 :class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or
 forked) and the model calls it for every verifier step (``Transformer.step``, and chains of
 up to ``ROW_INVARIANT_MAX_T`` tokens); it takes up to ``MAX_ROWS`` rows of chains or token
@@ -20,8 +20,9 @@ layout.
 
 It applies when every decoder linear is an ``Int8Linear`` on the ``cpu`` backend, the
 model is float32 on the CPU, its cache float32 or bfloat16 (``kv_cache_dtype``: bf16 on an
-AVX512-BF16 CPU, attended with bf16 products), and the C++ ops load on an AVX512-VNNI CPU
-(``QUASAR_NO_EXT=1`` turns it off with the rest of the extension); otherwise
+AVX512-BF16 CPU, attended with bf16 products), and the C++ ops load (every kernel path:
+AMX, AVX512-VNNI, AVX-VNNI, AVX2 or plain C++, see ``ext.kernel_path``;
+``QUASAR_NO_EXT=1`` turns it off with the rest of the extension); otherwise
 ``__call__`` returns None and the model runs its modules. The per-layer argument lists
 are built once and rebuilt when a module's tensors are replaced (loading, ``.to()``) or
 an Int8Linear is repacked (call ``Int8Linear.repack()`` after editing weights in place).
@@ -171,8 +172,9 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
     return torch.bfloat16
 
 
-# Extra time per row of a fused step, as a fraction of a one-row step, measured with
-# scripts/step_rows.py on the 2-core development machines. Default model (135 MB of int8
+# Extra time per row of a fused step, as a fraction of a one-row step: the prior a W8A8 model
+# gets at install; quasar.api.LLM replaces it with the model's own measured costs
+# (quasar.quant.step_cost). Measured with scripts/step_rows.py on the 2-core development machines. Default model (135 MB of int8
 # weights): with AMX a 16-row step costs ~1.35-1.5x a one-row step (~0.027 a row past the
 # second); with the VNNI kernel alone 6 rows cost ~1.2-1.4x (0.07), more a further pass over
 # each weight tile. AMX_ROW_COST prices rows a little under that, 0.02: with the recycling
@@ -183,8 +185,10 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
 # A row's work grows with the model like the step's bytes do, but its fixed share shrinks:
 # at 1.5B (1.54 GB) 16 rows cost 1.17x with AMX (0.011) and 6 rows 1.09x with VNNI (0.018),
 # about the default model's cost times sqrt(135 MB / bytes), which step_row_cost uses.
+# Below the AVX512 paths (AVX2's three-instruction int8 products) a row costs ~0.2-0.3.
 AMX_ROW_COST = 0.02
 VNNI_ROW_COST = 0.07
+AVX2_ROW_COST = 0.25
 _REFERENCE_BYTES = 135e6
 
 
@@ -200,10 +204,13 @@ def step_row_cost(model: nn.Module | None = None) -> float:
     from quasar.defaults import DEFAULT_ROW_COST
     from quasar.quant import ext
 
-    if ext.amx_supported():
+    path = ext.kernel_path()
+    if path == "amx":
         base = AMX_ROW_COST
-    elif ext.small_m_supported():
+    elif path == "avx512-vnni":
         base = VNNI_ROW_COST
+    elif path in ext.KERNEL_PATHS:
+        base = AVX2_ROW_COST
     else:
         return DEFAULT_ROW_COST
     if model is None:
@@ -214,7 +221,8 @@ def step_row_cost(model: nn.Module | None = None) -> float:
 
 # Rows one pass of the fused step's GEMMs over each weight tile takes: a tdpbusd's 16 rows
 # with AMX (17-32 rows cost a second block: 16 -> 24 rows 1.17x -> 1.47x a one-row step at
-# 1.5B), 6 rows in registers with VNNI (7 rows cost a second pass).
+# 1.5B), 6 rows in registers with VNNI (7 rows cost a second pass); the lower paths take
+# a chain of 5 drafts (6 rows) too, at their row cost.
 AMX_PASS_ROWS = 16
 VNNI_PASS_ROWS = 6
 

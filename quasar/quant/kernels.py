@@ -198,7 +198,10 @@ def cpu_fused(packed: CpuPacked) -> tuple | None:
     from quasar.quant import ext
 
     op = ext.int8_linear_op()
-    return None if op is None else (op, (comp, one == "u8x", many == "u8x", tiles))
+    if op is None:
+        return None
+    ext.onednn_exact("s8" in exact_cpu_variants())  # the op's long steps avoid an inexact oneDNN
+    return op, (comp, one == "u8x", many == "u8x", tiles)
 
 
 # ---------------------------------------------------------------- cuda

@@ -32,11 +32,13 @@ from torch import nn
 from quasar.fileio import write_atomic
 from quasar.paths import cache_dir
 
-__all__ = ["PROBE_ROWS", "StepCosts", "measure", "install_measured"]
+__all__ = ["PROBE_ROWS", "StepCosts", "current", "measure", "install_measured"]
 
 PROBE_ROWS = (1, 2, 4, 8, 16)
 # A row costing at most this share of a one-row step is cheap enough to fill a pass with.
-CHEAP_ROW = 0.1
+# AMX steps stay under it to 16 rows (~0.02-0.03 a row), the AVX512-VNNI kernel's second
+# pass over each weight tile (7+ rows) and AVX2's int8 products (~0.2 a row) do not.
+CHEAP_ROW = 0.04
 MIN_PASS_ROWS = 6  # the pending token and a chain of 5 drafts: never fewer
 TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
 _ROUNDS = 5
@@ -135,4 +137,15 @@ def install_measured(model: nn.Module) -> StepCosts | None:
     if costs is not None:
         model.row_cost, model.pass_rows = costs.row_cost, costs.pass_rows
         model.step_costs = costs
+    return costs
+
+
+def current(model: nn.Module) -> StepCosts | None:
+    """`model`'s step costs on the kernel path active now: measured again (from the cache,
+    usually) when the path changed since they were measured (QUASAR_ISA in tests, AMX off)."""
+    from quasar.quant import ext
+
+    costs = model.step_costs
+    if costs is None or costs.kernel_path != ext.kernel_path():
+        costs = install_measured(model)
     return costs

@@ -1,5 +1,6 @@
 // The fused step's float kernels with AVX2 (8-float ymm vectors); the code is
 // step_vec8.inc's, the same as the portable set's, so the two give bitwise the same results.
+#include "head_dim.h"
 #include "step_kernels.h"
 
 #include <cmath>

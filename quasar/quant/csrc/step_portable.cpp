@@ -1,6 +1,7 @@
 // The fused step's float kernels in plain C++ (the portable path, any CPU): step_vec8.inc
 // over an 8-float array type whose every operation is the IEEE operation the AVX2 set's
 // intrinsic performs on each lane, so both give bitwise the same results.
+#include "head_dim.h"
 #include "step_kernels.h"
 
 #include <cmath>
