@@ -425,11 +425,14 @@ def test_the_vector_kernel_of_cpus_without_amx(tmp_path):
 # ---------------------------------------------------------------- lower kernel paths
 
 @pytest.mark.skipif(not ext.cpu_runs("avx2"), reason="this CPU does not run the avx2 kernel path")
-def test_avx2_and_portable_steps_are_bitwise_equal(models):
+@pytest.mark.parametrize("kv", ["bf16", "fp32"])
+def test_avx2_and_portable_steps_are_bitwise_equal(models, monkeypatch, kv):
     """The AVX2 float kernels and the plain C++ ones are one code (step_vec8.inc) with the same
-    IEEE operations in the same order: a tree step over a long context gives the same bits."""
+    IEEE operations in the same order: a tree step over a long context gives the same bits,
+    over a float32 cache and over a bfloat16 one (stored rounded, widened to float32 on load)."""
     from quasar.quant import fused_step
 
+    monkeypatch.setenv(fused_step.ENV_KV_DTYPE, kv)
     _, q, ids = models["qwen3"]
     tokens, parents = random_tree(9, 9, 1000)
     got = {}
@@ -437,11 +440,13 @@ def test_avx2_and_portable_steps_are_bitwise_equal(models):
         for path in ("avx2", "portable"):
             with ext.forced_kernel_path(path):
                 fused_step.install(q)
-                assert q.kv_dtype is None  # no bf16 cache below the AVX512 paths
+                assert q.kv_dtype == (torch.bfloat16 if kv == "bf16" else None)
                 with fused_calls(q) as calls:
                     got[path], _ = tree_step(q, long_ids(ids), tokens, parents)
                 assert calls and calls[-1], "the tree step did not run fused"
+                assert q.cache.k.dtype == (torch.bfloat16 if kv == "bf16" else torch.float32)
     finally:
+        monkeypatch.undo()
         fused_step.install(q)
     assert torch.equal(got["avx2"], got["portable"])
 
@@ -449,9 +454,10 @@ def test_avx2_and_portable_steps_are_bitwise_equal(models):
 @pytest.mark.parametrize("path", ["avx2", "portable"])
 def test_lower_kernel_paths_keep_the_fused_properties(tmp_path, path):
     """The tests above again in a fresh process forced onto a lower kernel path (QUASAR_ISA):
-    the fused step runs, stays as close to the float model as the modules, and keeps row
-    invariance for chains, trees and batches, so greedy tree decoding still equals
-    autoregressive decoding. (The portable path, slower, runs the exactness ones.)"""
+    the fused step runs, stays as close to the float model as the modules (over a float32
+    and a bfloat16 cache), and keeps row invariance for chains, trees and batches, so greedy
+    tree decoding still equals autoregressive decoding. (The portable path, slower, runs the
+    exactness ones.)"""
     import os
     import subprocess
     import sys
@@ -460,7 +466,8 @@ def test_lower_kernel_paths_keep_the_fused_properties(tmp_path, path):
         pytest.skip(f"this CPU does not run the {path} kernel path")
     if ext.kernel_path() == path:
         pytest.skip(f"{path} is this CPU's own path: the tests above ran on it")
-    tests = "fused_layer_is_used or row_invariance or tree_rows or batch_rows or greedy_tree or commit_after"
+    tests = ("fused_layer_is_used or row_invariance or tree_rows or batch_rows or greedy_tree or commit_after or "
+             "bf16_cache_step or kv_cache_is_bf16")
     if path == "portable":
         tests = "row_invariance or tree_rows or greedy_tree"
     env = {**os.environ, "QUASAR_ISA": path}

@@ -737,7 +737,7 @@ def test_amx_sums_are_bitwise_the_vnni_kernels(amx, act_bits: int) -> None:
 
 def test_kernel_path_switch(ext_op) -> None:
     """QUASAR_ISA caps the kernel path in a fresh process (the highest path at or below it
-    that the CPU runs; a lower path has no bf16 KV cache), a bad value is a one-line error
+    that the CPU runs; the paths below AVX512 widen a bf16 KV cache), a bad value is a one-line error
     naming the choices, and the ops say which path runs."""
     import subprocess
 
@@ -754,7 +754,7 @@ def test_kernel_path_switch(ext_op) -> None:
         path, bf16 = out.stdout.split()
         assert path == want, out.stdout
         if want in ("portable", "avx2", "avx-vnni"):
-            assert bf16 == "False"
+            assert bf16 == "True"  # stored bf16, widened to float32 by the 8-float kernels
     bad = subprocess.run([sys.executable, "-m", "quasar", "generate", "--prompt", "hi"],
                          env={**os.environ, "QUASAR_ISA": "sse9"}, capture_output=True, text=True)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr

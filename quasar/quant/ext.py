@@ -251,8 +251,8 @@ def parallel_threads() -> int:
 
 
 def bf16_kv_supported() -> bool:
-    """True when the decoder op takes a bfloat16 KV cache here (AVX512-BF16 on an AVX512 kernel
-    path; False without op)."""
+    """True when the decoder op takes a bfloat16 KV cache here: AVX512-BF16 on the AVX512 kernel
+    paths, widened to float32 in software on the lower ones (False without op)."""
     return small_m_supported() and bool(torch.ops.quasar_quant.w8a8_bf16_supported())
 
 

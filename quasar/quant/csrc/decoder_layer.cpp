@@ -14,8 +14,9 @@
 //   slot past the slot's committed length; attention of each row over its slot's committed
 //   keys and then its path (for a chain: keys [0, start + i]); x += W8A8_o(attn);
 //   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
-// The cache is float32, or bfloat16 on an AVX512-BF16 CPU (attend_group_bf16: bf16
-// products, float32 softmax and sums; ARCHITECTURE.md, "The KV cache in bfloat16").
+// The cache is float32, or bfloat16: with AVX512-BF16 attend_group_bf16 takes bf16
+// products, float32 softmax and sums (ARCHITECTURE.md, "The KV cache in bfloat16"); below
+// the AVX512 paths the 8-float kernels widen the stored bf16 to float32.
 // A linear with act_bits 15 (by default the down projection) quantizes its input to 15
 // bits and runs two int8 products over the same weight chunk (small_m_gemm_split).
 // Every row is computed on its own, in a fixed order, whatever T is: a token's result is
@@ -177,7 +178,13 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                   v_cache.is_contiguous() && (bf16 || k_cache.scalar_type() == at::kFloat) &&
                   v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == n_kv_heads,
               "w8a8_decoder_layers: caches must be contiguous float32 or bfloat16 [L, slots, KVH, S, D]");
-  TORCH_CHECK(!bf16 || quasar::step::bf16_supported(), "w8a8_decoder_layers: a bfloat16 cache needs an AVX512-BF16 CPU");
+  // The active kernel path's float kernels. A bfloat16 cache is attended with AVX512-BF16
+  // products (attention.h) on the AVX512 paths, and widened to float32 by the 8-float
+  // kernels (fk.attend_b16) below them.
+  const quasar::step::FloatKernels& fk = float_kernels();
+  const bool widened_bf16 = bf16 && fk.attend_b16 != nullptr;
+  TORCH_CHECK(!bf16 || widened_bf16 || quasar::step::bf16_supported(),
+              "w8a8_decoder_layers: a bfloat16 cache needs an AVX512-BF16 CPU on an AVX512 kernel path");
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
               "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
   const int64_t L = k_cache.size(0), n_slots = k_cache.size(1), D = k_cache.size(4), S = k_cache.size(3);
@@ -226,28 +233,27 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
     tails[t] = tail_rows.data() + t * T;
     max_keys = std::max(max_keys, n_keys[t]);
   }
-  // The active kernel path's float kernels; a batch of chains keeps the plain attention
-  // kernel (no key lookups at all).
-  const quasar::step::FloatKernels& fk = float_kernels();
+  // A batch of chains keeps the plain attention kernel (no key lookups at all).
   const auto rms_norm = fk.rms_norm;
   const auto silu_mul = fk.silu_mul;
   const auto add_into = fk.add_into;
   const AttendFn attend = fk.attend(D, !is_chain);
-  const AttendBf16Fn attend_bf16 = bf16 ? quasar::step::attend_bf16(D, !is_chain) : nullptr;
+  const quasar::step::AttendB16Fn attend_b16 = widened_bf16 ? fk.attend_b16(D, !is_chain) : nullptr;
+  const AttendBf16Fn attend_bf16 = bf16 && !widened_bf16 ? quasar::step::attend_bf16(D, !is_chain) : nullptr;
   // An AMX-BF16 CPU's steps attend with tiles (attend_group_amx), all of them.
 #ifdef QUASAR_AMX_ATTENTION
   const quasar::step::AttendAmxFn attend_amx =
-      bf16 && quasar::step::amx_bf16_supported() ? quasar::step::attend_amx(D, !is_chain) : nullptr;
+      attend_bf16 && quasar::step::amx_bf16_supported() ? quasar::step::attend_amx(D, !is_chain) : nullptr;
 #endif
   TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
-  TORCH_CHECK(!bf16 || attend_bf16 != nullptr,
+  TORCH_CHECK(!bf16 || attend_bf16 != nullptr || attend_b16 != nullptr,
               "w8a8_decoder_layers: a bfloat16 cache needs head_dim 32, 64, 96, 128 or 256");
   const int64_t stride = (max_keys + 31) / 32 * 32;  // of the score rows (32-key tiles in prefill)
   // A prompt chunk on an AMX-BF16 CPU attends with tiles (attend_prefill_amx: allowed for
   // prefill only, see there).
 #ifdef QUASAR_AMX_ATTENTION
   const auto [attend_prefill, prefill_operands_fn] =
-      prefill && bf16 && is_chain && groups.size() == 1 && quasar::step::amx_bf16_supported()
+      prefill && attend_bf16 && is_chain && groups.size() == 1 && quasar::step::amx_bf16_supported()
           ? quasar::step::attend_prefill(D)
           : std::pair<quasar::step::AttendPrefillFn, quasar::step::PrefillOperandsFn>{};
   // Its operands, per kv head: K^T per 16 keys (D / 2 rows of 64 bytes) and V pairs per 32
@@ -272,7 +278,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   // cut into pieces of at most kMaxGroupQueries, and further while there are fewer blocks
   // than two per thread; each item streams its block of the kv head's cache once. How
   // queries are grouped never changes their results.
-  const bool blocked = bf16 && !prefill_tiles;
+  const bool blocked = attend_bf16 && !prefill_tiles;
   const auto n_blocks = [&](int64_t n) { return blocked ? (n + kBlockKeys - 1) / kBlockKeys : int64_t{1}; };
   struct Item { int64_t first, slot, kv, q0, q1, block; };
   std::vector<Item> items;
@@ -401,8 +407,9 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
         for (int64_t kv = 0; kv < n_kv_heads; ++kv) {
           const int64_t at_row = layer_at + ((slots[t] * n_kv_heads + kv) * S + cache_row[t]) * D;
           if (bf16) {
-            quasar::step::store_bf16(row + nq + kv * D, D, k_b16 + at_row);
-            quasar::step::store_bf16(row + nq + nkv + kv * D, D, v_b16 + at_row);
+            const auto store = widened_bf16 ? fk.store_b16 : quasar::step::store_bf16;
+            store(row + nq + kv * D, D, k_b16 + at_row);
+            store(row + nq + nkv + kv * D, D, v_b16 + at_row);
           } else {
             std::copy_n(row + nq + kv * D, D, k_f32 + at_row);
             std::copy_n(row + nq + nkv + kv * D, D, v_f32 + at_row);
@@ -452,7 +459,10 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
           continue;
         }
 #endif
-        if (bf16)
+        if (attend_b16)
+          attend_b16(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_b16 + head, v_b16 + head, scale, scores.data(),
+                     stride, acc.data());
+        else if (bf16)
           attend_bf16(qp, ns, KeyMap{sp, tl}, op, pp, it.q1 - it.q0, it.block * kBlockKeys,
                       (it.block + 1) * kBlockKeys, k_b16 + head, v_b16 + head, scale, scores.data(),
                       probs.data(), stride, acc.data());
@@ -493,9 +503,9 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   return out;
 }
 
-// Whether w8a8_decoder_layers takes a bfloat16 KV cache here (an AVX512-BF16 CPU on an
-// AVX512 kernel path).
-bool w8a8_bf16_supported() { return quasar::step::bf16_supported(); }
+// Whether w8a8_decoder_layers takes a bfloat16 KV cache here: AVX512-BF16 on the AVX512
+// paths, widened to float32 by the 8-float kernels below them.
+bool w8a8_bf16_supported() { return float_kernels().attend_b16 != nullptr || quasar::step::bf16_supported(); }
 
 // Whether attention over a bfloat16 cache (prompt chunks and verifier steps) uses AMX-BF16
 // tiles here.

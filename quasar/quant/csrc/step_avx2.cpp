@@ -28,6 +28,10 @@ struct V {
   static QUASAR_V V set1(float f) { return {_mm256_set1_ps(f)}; }
   static QUASAR_V V load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static QUASAR_V void store(float* p, V a) { _mm256_storeu_ps(p, a.v); }
+  static QUASAR_V V load_b16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+  }
   static QUASAR_V __m256i first_mask(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }

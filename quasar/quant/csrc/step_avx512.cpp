@@ -173,7 +173,7 @@ AttendF32Fn attend_f32(int64_t d, bool paths) {
 }  // namespace
 
 const FloatKernels& float_kernels_avx512() {
-  static const FloatKernels kernels = {rms_norm, silu_mul, add_into, attend_f32};
+  static const FloatKernels kernels = {rms_norm, silu_mul, add_into, attend_f32, nullptr, nullptr};
   return kernels;
 }
 

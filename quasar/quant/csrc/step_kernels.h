@@ -41,6 +41,12 @@ using AttendF32Fn = void (*)(const float* const* qs, const int64_t* ns, const Ke
                              int64_t nq, const float* k, const float* v, float scale, float* scores, int64_t stride,
                              float* acc);
 
+// The same attention over a bfloat16 cache (K, V stored as bf16, widened to float32 on load:
+// the arithmetic is the float32 kernel's), for the sets without AVX512-BF16.
+using AttendB16Fn = void (*)(const float* const* qs, const int64_t* ns, const KeyMap& keys, float* const* outs,
+                             int64_t nq, const uint16_t* k, const uint16_t* v, float scale, float* scores,
+                             int64_t stride, float* acc);
+
 // One ISA's row kernels and its attention over a float32 cache.
 struct FloatKernels {
   // out[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for `rows` rows of length n.
@@ -52,6 +58,10 @@ struct FloatKernels {
   // The attention kernel for head_dim d over chains (paths = false) or tree rows; null
   // when d is not one of the supported head dims.
   AttendF32Fn (*attend)(int64_t d, bool paths);
+  // Attention over a bfloat16 cache and the float -> bfloat16 store of its K/V rows (round
+  // to nearest even); null in the AVX512 set, whose bf16 kernels are attention.h's.
+  AttendB16Fn (*attend_b16)(int64_t d, bool paths);
+  void (*store_b16)(const float* x, int64_t n, uint16_t* out);
 };
 
 const FloatKernels& float_kernels_avx512();

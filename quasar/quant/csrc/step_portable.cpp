@@ -30,6 +30,14 @@ struct V {
     return r;
   }
   static QUASAR_V void store(float* p, V a) { std::memcpy(p, a.l, sizeof a.l); }
+  static QUASAR_V V load_b16(const uint16_t* p) {
+    V r;
+    QUASAR_LANES {
+      const uint32_t bits = uint32_t{p[i]} << 16;
+      std::memcpy(&r.l[i], &bits, sizeof bits);
+    }
+    return r;
+  }
   static QUASAR_V V load_first(const float* p, int64_t n, float fill) {
     V r;
     QUASAR_LANES r.l[i] = i < n ? p[i] : fill;
