@@ -38,25 +38,48 @@ def test_dear_rows_keep_a_chain_priced_at_their_cost():
     assert costs(1.0, 0.9, 0.9, 0.95, 1.0).row_cost == 0.005  # noise never prices rows below zero
 
 
+def test_a_disturbed_probe_is_not_cached():
+    assert step_cost._plausible((0.010, 0.0101, 0.0105, 0.012, 0.016))
+    assert not step_cost._plausible((0.010, 0.011, 0.004, 0.012, 0.016))  # 4 rows "faster" than 2
+
+
+@pytest.fixture(scope="module")
+def tiny_w8a8(tmp_path_factory, default_model_dir):
+    loaded = load_model(make_tiny_model(tmp_path_factory.mktemp("m") / "m", "qwen3", default_model_dir))
+    return build_w8a8(loaded.model, loaded.tokenizer, calib_text="a b c d e f g " * 40, samples=2, seq_len=32,
+                      progress=False)
+
+
 @pytest.mark.skipif(ext.decoder_layer_op() is None, reason="the fused step needs the C++ ops")
-def test_probe_times_the_fused_step_caches_it_and_leaves_the_cache_alone(tmp_path, default_model_dir, monkeypatch):
-    loaded = load_model(make_tiny_model(tmp_path / "m", "qwen3", default_model_dir))
-    q = build_w8a8(loaded.model, loaded.tokenizer, calib_text="a b c d e f g " * 40, samples=2, seq_len=32,
-                   progress=False)
+def test_probe_times_the_fused_step_in_a_cache_of_its_own(tiny_w8a8):
+    q = tiny_w8a8
     cache = q.setup_cache(64, 2)
     measured = step_cost.install_measured(q)
     assert measured is not None and measured.kernel_path == ext.kernel_path()
     assert measured.rows == PROBE_ROWS and all(s > 0 for s in measured.seconds)
     assert q.step_costs is measured and (q.row_cost, q.pass_rows) == (measured.row_cost, measured.pass_rows)
-    assert q.cache is cache and q.cache.lengths == [0, 0]  # the probe ran in a cache of its own
+    assert q.cache is cache and q.cache.lengths == [0, 0]  # the model's own cache is untouched
 
-    def no_probe(model):
-        raise AssertionError("measured again although cached")
 
-    monkeypatch.setattr(step_cost, "_probe", no_probe)
-    assert step_cost.measure(q) == measured  # same shapes, path, build and threads: from the cache
-    torch.set_num_threads(torch.get_num_threads())
+@pytest.mark.skipif(ext.decoder_layer_op() is None, reason="the fused step needs the C++ ops")
+def test_measured_costs_are_cached_per_kernel_path_unless_disturbed(tiny_w8a8, default_model_dir, tmp_path,
+                                                                     monkeypatch):
+    probes = []
+    plan = [(1e-3, 1.1e-3, 1.2e-3, 1.4e-3, 2.0e-3), (1e-3, 1e-3, 2e-4, 1.4e-3, 2.0e-3)]  # the second: disturbed
+
+    def fake_probe(model):
+        probes.append(model)
+        return plan[min(len(probes) - 1, 1)]
+
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(step_cost, "_probe", fake_probe)
+    first = step_cost.measure(tiny_w8a8)
+    assert first.seconds == plan[0] and step_cost.measure(tiny_w8a8) == first and len(probes) == 1  # cached
     with ext.forced_kernel_path("portable"):
-        with pytest.raises(AssertionError, match="measured again"):
-            step_cost.current(q)  # another kernel path is measured anew
-    assert step_cost.measure(load_model(make_tiny_model(tmp_path / "f", "qwen3", default_model_dir)).model) is None
+        assert step_cost.current(tiny_w8a8).seconds == plan[1] and len(probes) == 2  # another path: measured
+        step_cost.measure(tiny_w8a8)
+        assert len(probes) == 3  # a disturbed probe is not cached: measured again
+    step_cost.install_measured(tiny_w8a8)
+    assert len(probes) == 3 and tiny_w8a8.step_costs == first
+    float_model = load_model(make_tiny_model(tmp_path / "f", "qwen3", default_model_dir)).model
+    assert step_cost.measure(float_model) is None  # no fused step: nothing to measure

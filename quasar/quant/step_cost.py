@@ -127,8 +127,15 @@ def measure(model: nn.Module) -> StepCosts | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # not measured yet (or unreadable): measure again
     seconds = _probe(model)
-    write_atomic(file, json.dumps({"rows": PROBE_ROWS, "seconds": seconds, "kernel_path": path}))
+    if _plausible(seconds):  # else a busy machine disturbed the probe: measure again next time
+        write_atomic(file, json.dumps({"rows": PROBE_ROWS, "seconds": seconds, "kernel_path": path}))
     return StepCosts(PROBE_ROWS, seconds, path)
+
+
+def _plausible(seconds: tuple[float, ...]) -> bool:
+    """More rows never take much less time than fewer: a step that did was slowed by other
+    processes (with two threads on two busy cores an OpenMP barrier can wait a whole time slice)."""
+    return all(later >= 0.9 * earlier for earlier, later in zip(seconds, seconds[1:]))
 
 
 def install_measured(model: nn.Module) -> StepCosts | None:
