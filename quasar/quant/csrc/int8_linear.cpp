@@ -22,7 +22,10 @@
 // never saturates, and the wrapped sum minus comp is the true value, which fits in int32
 // for K <= MAX_IN_FEATURES), so the int32s, and with the unchanged epilogue the outputs,
 // are bitwise those of the oneDNN path. Only that function is compiled for AVX512 (target
-// attribute: no global -march); it is picked at run time when the CPU has AVX512-VNNI.
+// attribute: no global -march); it runs on the avx512-vnni and amx kernel paths
+// (cpu_features.h). The lower paths make the same sums over the same tiles with AVX-VNNI,
+// AVX2 or plain C++ (gemm_avx2.cpp, gemm_portable.cpp), and there the kernel takes every M:
+// oneDNN without VNNI is not exact.
 
 #include "int8_gemm.h"
 
@@ -50,7 +53,6 @@
 #define QUASAR_VNNI_WIDE __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #if defined(__linux__) && defined(__x86_64__) && (__GNUC__ >= 11 || defined(__clang__))
 #define QUASAR_AMX_KERNEL 1
-#include <sys/syscall.h>
 #define QUASAR_AMX __attribute__((target("amx-tile,amx-int8,avx512f")))
 #endif
 #endif
@@ -206,8 +208,8 @@ bool amx_supported() {
 }
 
 // Whether oneDNN's int8 GEMM may serve the rows the small-M kernel does not take: only on
-// the AVX512 paths, and only while oneDNN is exact here (ext.py passes kernels.py's check
-// to int8_onednn_exact). Without VNNI oneDNN makes its u8 x s8 products with vpmaddubsw,
+// the AVX512 paths, and only while oneDNN is exact here (kernels.py passes its check on
+// through ext.onednn_exact). Without VNNI oneDNN makes its u8 x s8 products with vpmaddubsw,
 // whose int16 pairs saturate: its sums are wrong, so every lower path computes all rows
 // itself, kTiledMaxRows at a time.
 std::atomic<bool> g_onednn_exact{true};
