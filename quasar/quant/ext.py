@@ -72,6 +72,7 @@ __all__ = [
     "onednn_exact",
     "forced_kernel_path",
     "kernel_path",
+    "requested_kernel_path",
     "build_dir",
     "disabled",
     "info",
