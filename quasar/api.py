@@ -26,6 +26,7 @@ from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
 from quasar.quant.fused_step import AMX_PASS_ROWS, step_pass_rows
+from quasar.quant.options import QuantOptions
 from quasar.speculative.registry import (AUTO, check_drafter_name, drafter_class, drafter_options, make_drafter,
                                          resolve_drafter)
 from quasar.speculative.batch import BatchDecoder, decode
@@ -64,11 +65,12 @@ class LLM:
     """A loaded model ready to decode with any drafter/verifier pair.
 
     `drafter` and `verifier` are the defaults for `generate`; each call may override them.
+    `quant` says how the W8A8 verifier is made.
     """
 
     def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str = DEFAULT_DRAFTER,
                  verifier: str = DEFAULT_VERIFIER, max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
-                 quant_options: dict | None = None, max_batch: int = DEFAULT_MAX_BATCH):
+                 quant: QuantOptions | None = None, max_batch: int = DEFAULT_MAX_BATCH):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 64:
             raise QuasarError(f"max_batch must be an integer in [1, 64], got {max_batch!r}", param="max_batch")
         if threads:
@@ -81,7 +83,7 @@ class LLM:
         self.drafter, self.verifier, self.dtype = drafter, verifier, dtype
         self.max_context = min(max_context, self.config.max_position_embeddings)
         self.max_batch = max_batch
-        self.quant_options = quant_options or {}
+        self.quant = quant or QuantOptions()
         self._verifiers: dict[str, Transformer] = {}
         self._recycled: dict[str, RecyclingTable] = {}
         self._lock = threading.RLock()
@@ -146,7 +148,7 @@ class LLM:
     def _w8a8(self) -> Transformer:
         from quasar.quant.verifier import w8a8_verifier
 
-        return w8a8_verifier(self.loaded, **self.quant_options)
+        return w8a8_verifier(self.loaded, self.quant)
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         if isinstance(prompt, str):
