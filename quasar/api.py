@@ -10,6 +10,7 @@ alone. One call at a time uses an LLM's verifiers (`lock`).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -19,19 +20,17 @@ from dataclasses import dataclass
 import torch
 
 import quasar.quant  # noqa: F401  (registers the W8A8 checkpoint format with the model loader)
-from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_BATCH_ROWS, DEFAULT_CONTEXT, DEFAULT_DRAFT_BUDGET,
-                             DEFAULT_DRAFTER, DEFAULT_MAX_BATCH, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
-                             DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
+from quasar.defaults import DEFAULT_BATCH_ROWS, DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, DEFAULT_VERIFIER, MAX_BATCH
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
 from quasar.quant import step_cost
-from quasar.speculative.registry import (AUTO, check_drafter_name, drafter_class, drafter_options, make_drafter,
-                                         resolve_drafter)
+from quasar.quant.options import QuantOptions
+from quasar.speculative.registry import AUTO, make_drafter, resolve_drafter
 from quasar.speculative.batch import BatchDecoder, decode
 from quasar.speculative.drafters import Drafter
-from quasar.speculative.generate import Chunk, DecodeOptions, Result
-from quasar.speculative.sampling import SamplingParams
+from quasar.speculative.generate import Chunk, Result
+from quasar.speculative.options import (DecodeOptions, DecodePlan, DraftOptions, SamplingOptions, check_int)
 from quasar.speculative.tree_drafter import RecyclingTable
 from quasar.speculative.verifiers import build_verifier, parse_verifier
 
@@ -52,41 +51,38 @@ class GenerationResult:
                 "stats": self.stats}
 
 
-@dataclass
-class DecodePlan:
-    """Checked decoding options: which drafter and verifier, and the loop's options."""
-
-    drafter: str
-    verifier: str
-    drafter_options: dict
-    options: DecodeOptions
-
-
 class LLM:
     """A loaded model ready to decode with any drafter/verifier pair.
 
-    `drafter` and `verifier` are the defaults for `generate`; each call may override them.
+    `draft` (with `drafter` as a shorthand for its drafter) and `verifier` are the defaults
+    of every call; each call may override them. `quant` says how the W8A8 verifier is made.
     """
 
-    def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str = DEFAULT_DRAFTER,
-                 verifier: str = DEFAULT_VERIFIER, max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
-                 quant_options: dict | None = None, max_batch: int = DEFAULT_MAX_BATCH):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 64:
-            raise QuasarError(f"max_batch must be an integer in [1, 64], got {max_batch!r}", param="max_batch")
+    def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str | None = None,
+                 verifier: str = DEFAULT_VERIFIER, draft: DraftOptions | None = None,
+                 max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
+                 quant: QuantOptions | None = None, max_batch: int = DEFAULT_MAX_BATCH):
+        check_int("max_batch", max_batch, 1, MAX_BATCH)
         if threads:
             torch.set_num_threads(threads)
         parse_verifier(verifier)
-        check_drafter_name(drafter)
+        # The per-call defaults: `draft` (its drafter replaced by `drafter` when given).
+        self.draft = (draft or DraftOptions()).replace(drafter=drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
-        self.drafter, self.verifier, self.dtype = drafter, verifier, dtype
+        self.verifier, self.dtype = verifier, dtype
         self.max_context = min(max_context, self.config.max_position_embeddings)
         self.max_batch = max_batch
-        self.quant_options = quant_options or {}
+        self.quant = quant or QuantOptions()
         self._verifiers: dict[str, Transformer] = {}
         self._recycled: dict[str, RecyclingTable] = {}
         self._lock = threading.RLock()
+
+    @property
+    def drafter(self) -> str:
+        """The default drafter's name (may be "auto": `resolve_drafter`)."""
+        return self.draft.drafter
 
     @property
     def lock(self) -> threading.RLock:
@@ -149,7 +145,7 @@ class LLM:
     def _w8a8(self) -> Transformer:
         from quasar.quant.verifier import w8a8_verifier
 
-        return w8a8_verifier(self.loaded, **self.quant_options)
+        return w8a8_verifier(self.loaded, self.quant)
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         if isinstance(prompt, str):
@@ -162,37 +158,35 @@ class LLM:
 
     def check_options(self, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                       top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None,
-                      drafter: str | None = None, verifier: str | None = None,
-                      num_draft: int = DEFAULT_NUM_DRAFT, ngram_min: int = DEFAULT_NGRAM_MIN,
-                      ngram_max: int = DEFAULT_NGRAM_MAX, adaptive: bool = DEFAULT_ADAPTIVE,
-                      logprobs: int | None = None, draft_budget: int = DEFAULT_DRAFT_BUDGET,
+                      drafter: str | None = None, verifier: str | None = None, num_draft: int | None = None,
+                      ngram_min: int | None = None, ngram_max: int | None = None, adaptive: bool | None = None,
+                      logprobs: int | None = None, draft_budget: int | None = None,
                       resolve: bool = True) -> DecodePlan:
-        """Check decoding options without decoding (a QuasarError names the bad one, in
-        `param`) and resolve the drafter/verifier defaults; `stream` decodes with the result.
-        `num_draft` and `adaptive` shape chain drafts; the tree drafter proposes up to
-        `draft_budget` nodes per step instead. `logprobs=N` adds each output token's logprob
-        and N alternatives to chunks and result (`quasar.speculative.logprobs`).
-        "auto" is checked as both drafters it may become; resolving it measures the W8A8
-        verifier's step costs (building it first if needed): `resolve=False` leaves it "auto",
-        so bad options are reported before any one-time work."""
+        """The `DecodePlan` of these keyword options, without decoding (a QuasarError names a
+        bad one, in `param`). Draft options left None are this LLM's (`draft`). `num_draft`
+        and `adaptive` shape chain drafts; the tree drafter proposes up to `draft_budget`
+        nodes per step instead. `logprobs=N` adds each output token's logprob and N
+        alternatives to chunks and result (`quasar.speculative.logprobs`). `resolve=False`
+        leaves "auto" unresolved (see `plan`)."""
+        draft = self.draft.replace(drafter=drafter, num_draft=num_draft, ngram_min=ngram_min, ngram_max=ngram_max,
+                                   draft_budget=draft_budget, adaptive=adaptive)
+        sampling = SamplingOptions(temperature, top_k, top_p, seed)
+        options = DecodeOptions(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, draft=draft,
+                                logprobs=logprobs)
+        return self.plan(options, verifier, resolve)
+
+    def plan(self, options: DecodeOptions, verifier: str | None = None, resolve: bool = True) -> DecodePlan:
+        """The `DecodePlan` of checked `options` on `verifier` (None: this LLM's), checked
+        here, with the drafter resolved for it ("auto": `resolve_drafter`, which measures the
+        W8A8 verifier's step, building it first if needed; `resolve=False` leaves "auto")."""
         verifier = verifier or self.verifier
         parse_verifier(verifier)
-        drafter = drafter or self.drafter
-        for candidate in ("ngram", "tree") if drafter == AUTO else (drafter,):
-            options = drafter_options(candidate, ngram_min=ngram_min, ngram_max=ngram_max,
-                                      draft_budget=draft_budget)
-            drafter_class(candidate).check_options(**options)
-        if resolve:
-            drafter = self.resolve_drafter(drafter, verifier)
-            options = drafter_options(drafter, ngram_min=ngram_min, ngram_max=ngram_max, draft_budget=draft_budget)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        opts = DecodeOptions(max_new_tokens=max_new_tokens, stop=stops, num_draft=num_draft, adaptive=adaptive,
-                             sampling=SamplingParams(temperature, top_k, top_p, seed), logprobs=logprobs).validate()
-        if drafter == "none":
-            opts.num_draft = 0
-        elif drafter == "tree":  # the step's node cap is the budget; adaptive k is a chain rule
-            opts.num_draft, opts.adaptive = draft_budget, False
-        return DecodePlan(drafter, verifier, options, opts)
+        if not resolve:
+            return DecodePlan(verifier, options)
+        drafter = self.resolve_drafter(options.draft.drafter, verifier)
+        if drafter != options.draft.drafter:
+            options = dataclasses.replace(options, draft=options.draft.replace(drafter=drafter))
+        return DecodePlan(verifier, options)
 
     def resolve_drafter(self, drafter: str | None, verifier: str) -> str:
         """The drafter a call decodes with: `drafter` (None: this LLM's default), where "auto"
@@ -210,7 +204,7 @@ class LLM:
         """A fresh drafter for one sequence of `plan`. Tree drafters share their verifier's
         recycling table (`recycling_table`), except under seeded sampling, whose random draws
         follow the drafts: its output must not depend on what was decoded before."""
-        options = dict(plan.drafter_options)
+        options = plan.draft.drafter_kwargs()
         sampling = plan.options.sampling
         if plan.drafter == "tree" and (sampling.greedy or sampling.seed is None):
             options["recycled"] = self.recycling_table(plan.verifier)
@@ -238,33 +232,38 @@ class LLM:
         return BatchDecoder(model, self.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS)
 
     def stream(self, prompt: str | list[dict] | None = None, *, prompt_ids: list[int] | None = None,
-               raw: bool = False, **options) -> Iterator[Chunk | Result]:
+               raw: bool = False, plan: DecodePlan | None = None, **options) -> Iterator[Chunk | Result]:
         """Yield a Chunk per verifier step, then the Result (see `quasar.speculative.generate`).
 
-        `options` are those of `check_options`.
+        Decodes with `plan`, or with the plan of `options` (those of `check_options`).
         """
-        plan = self.check_options(**options)
+        plan = self._plan(plan, options)
         ids = self.encode_checked(prompt, prompt_ids, raw)
         draft = self.new_drafter(plan)
         with self._lock:
             model = self.verifier_model(plan.verifier)
             yield from decode(model, self.tokenizer, ids, draft, plan.options)
 
-    def generate(self, prompt: str | list[dict] | None = None, **options) -> GenerationResult:
+    def generate(self, prompt: str | list[dict] | None = None, *, plan: DecodePlan | None = None,
+                 **options) -> GenerationResult:
         """Decode to the end; returns text, token ids, finish reason and stats."""
+        plan = self._plan(plan, {k: v for k, v in options.items() if k not in ("prompt_ids", "raw")})
+        stream_args = {k: v for k, v in options.items() if k in ("prompt_ids", "raw")}
         result = None
-        for item in self.stream(prompt, **options):
+        for item in self.stream(prompt, plan=plan, **stream_args):
             if isinstance(item, Result):
                 result = item
-        return self._generation_result(result, options)
+        return self._generation_result(result, plan)
 
-    def generate_batch(self, prompts: list, *, raw: bool = False, **options) -> list[GenerationResult]:
+    def generate_batch(self, prompts: list, *, raw: bool = False, plan: DecodePlan | None = None,
+                       **options) -> list[GenerationResult]:
         """Decode every prompt (a string or a list of messages) to the end, up to `max_batch`
         at a time in one verifier step; the results are in prompt order, each with the tokens
-        `generate` gives it alone. `options` are those of `check_options`, for every prompt."""
+        `generate` gives it alone. `plan` (or `options`, those of `check_options`) is every
+        prompt's."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise QuasarError("prompts must be a non-empty list of prompts")
-        plan = self.check_options(**options)
+        plan = self._plan(plan, options)
         ids = [self.encode_checked(p, None, raw) for p in prompts]
         results: list[Result | None] = [None] * len(ids)
         todo = list(range(len(ids)))[::-1]
@@ -279,13 +278,18 @@ class LLM:
                         raise item
                     if isinstance(item, Result):
                         results[i] = item
-        return [self._generation_result(r, options) for r in results]
+        return [self._generation_result(r, plan) for r in results]
 
-    def _generation_result(self, result: Result, options: dict) -> GenerationResult:
-        verifier = options.get("verifier") or self.verifier
-        drafter = self.resolve_drafter(options.get("drafter"), verifier)
-        return GenerationResult(result.text, result.token_ids, result.finish_reason, drafter, verifier,
-                                result.stats.as_dict(), self.kernel_path(verifier))
+    def _plan(self, plan: DecodePlan | None, options: dict) -> DecodePlan:
+        if plan is None:
+            return self.check_options(**options)
+        if options:
+            raise QuasarError(f"pass either a plan or decoding options, not both (got {sorted(options)[0]!r})")
+        return plan
+
+    def _generation_result(self, result: Result, plan: DecodePlan) -> GenerationResult:
+        return GenerationResult(result.text, result.token_ids, result.finish_reason, plan.drafter, plan.verifier,
+                                result.stats.as_dict(), self.kernel_path(plan.verifier))
 
     def kernel_path(self, verifier: str | None = None) -> str:
         """The kernel path `verifier` (None: this LLM's) decodes on: the int8 kernels' (amx,

@@ -53,29 +53,34 @@ def _read_prompt(args) -> str:
     return args.prompt if args.prompt is not None else BUILTIN_PROMPT
 
 
+def _decode_options(args):
+    """The decoding options of `quasar generate`'s flags, checked before any model work."""
+    from quasar.cli_args import draft_options
+    from quasar.speculative.options import DecodeOptions, SamplingOptions
+
+    sampling = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+                         draft=draft_options(args))
+
+
 def run_generate(args) -> int:
     from quasar.api import LLM
     from quasar.speculative.generate import Result
 
     prompt = _read_prompt(args)
-    llm = LLM(args.model, dtype=args.dtype, drafter=args.drafter, verifier=args.verifier, threads=args.threads)
-    options = dict(raw=args.raw, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                   num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                   adaptive=args.adaptive, draft_budget=args.draft_budget)
-    checked = {k: v for k, v in options.items() if k != "raw"}
-    llm.check_options(**checked, resolve=False)  # bad options fail before any one-time work
+    options = _decode_options(args)  # bad options fail here, before any one-time work
+    llm = LLM(args.model, dtype=args.dtype, draft=options.draft, verifier=args.verifier, threads=args.threads)
     # One-time work (quantizing or loading the W8A8 copy, loading its kernels, measuring its
     # step) on its own line, so the decode rate below is decoding only.
     seconds = llm.prepare(args.verifier, progress=sys.stderr.isatty())
     if seconds is not None and args.verifier != "fp":
         print(f"building the {args.verifier.upper()} verifier (once, cached): {seconds:.1f} s", file=sys.stderr)
-    plan = llm.check_options(**checked)  # "auto" resolved on the verifier's measured step
+    plan = llm.plan(options)  # "auto" resolved on the verifier's measured step
     if args.json:
-        print(json.dumps(llm.generate(prompt, **options).as_dict(), ensure_ascii=False))
+        print(json.dumps(llm.generate(prompt, raw=args.raw, plan=plan).as_dict(), ensure_ascii=False))
         return 0
     result = None
-    for item in llm.stream(prompt, **options):
+    for item in llm.stream(prompt, raw=args.raw, plan=plan):
         if isinstance(item, Result):
             result = item
         else:

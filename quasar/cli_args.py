@@ -53,3 +53,11 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     add_draft_args(p)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
                    help="choose the draft length per step (up to k + 3) from recent acceptance")
+
+
+def draft_options(args: argparse.Namespace):
+    """The `DraftOptions` of add_decoding_args' flags, checked (a QuasarError names a bad one)."""
+    from quasar.speculative.options import DraftOptions
+
+    return DraftOptions(drafter=args.drafter, num_draft=args.num_draft, ngram_min=args.ngram_min,
+                        ngram_max=args.ngram_max, draft_budget=args.draft_budget, adaptive=args.adaptive)

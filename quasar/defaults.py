@@ -13,6 +13,11 @@ DEFAULT_CONTEXT = 8192
 DEFAULT_NUM_DRAFT = 5
 DEFAULT_NGRAM_MIN = 1
 DEFAULT_NGRAM_MAX = 3
+# The most draft tokens (chain k) or tree nodes a step may propose, and the longest n-gram
+# a drafter matches (one index per n): bounds that keep a step's rows and a drafter's
+# tables small whatever a request asks.
+MAX_DRAFT = 64
+MAX_NGRAM = 64
 # Draft length chosen per step from recent acceptance (speculative.acceptance.AdaptiveDraftLength);
 # faster than a fixed k with identical output (`quasar bench` against `quasar bench --no-adaptive`).
 DEFAULT_ADAPTIVE = True
@@ -36,4 +41,5 @@ DEFAULT_RECYCLE_TOP_K = 8
 # quasar.speculative.batch): 16 rows are one pass of the fused step's GEMMs over the
 # weights, more rows a second pass.
 DEFAULT_MAX_BATCH = 8
+MAX_BATCH = 64
 DEFAULT_BATCH_ROWS = 16

@@ -234,11 +234,12 @@ def start_local_server(args):
     """An in-process server on 127.0.0.1 (OS-chosen port) for --model."""
     from quasar.api import LLM
     from quasar.server.app import BackgroundServer, create_app
+    from quasar.speculative.options import DraftOptions
 
-    defaults = {k: v for k, v in (("drafter", args.drafter), ("verifier", args.verifier)) if v is not None}
-    llm = LLM(args.model, max_context=args.max_context, threads=args.threads, max_batch=args.max_batch, **defaults)
-    app = create_app(llm, api_key=args.api_key, max_queue=max(args.max_queue, max(args.levels)),
-                     **({"num_draft": args.num_draft} if args.num_draft is not None else {}))
+    draft = DraftOptions().replace(drafter=args.drafter, num_draft=args.num_draft)
+    llm = LLM(args.model, max_context=args.max_context, threads=args.threads, max_batch=args.max_batch,
+              draft=draft, **({"verifier": args.verifier} if args.verifier is not None else {}))
+    app = create_app(llm, api_key=args.api_key, max_queue=max(args.max_queue, max(args.levels)))
     app.state.scheduler.call(lambda: llm.prepare(progress=sys.stderr.isatty()))  # on the engine's thread
     return BackgroundServer(app, "127.0.0.1", 0).start()
 

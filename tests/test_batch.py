@@ -17,6 +17,7 @@ import torch
 
 from conftest import make_tiny_model
 from quasar.api import LLM
+from quasar.quant.options import QuantOptions
 from quasar.speculative.batch import PREFILL_CHUNK, BatchDecoder
 from quasar.speculative.generate import Chunk, Result
 
@@ -30,7 +31,7 @@ def llm(tmp_path_factory, default_model_dir):
     threads = torch.get_num_threads()
     model_dir = make_tiny_model(tmp_path_factory.mktemp("batch") / "tiny", "qwen3", default_model_dir, 1)
     llm = LLM(str(model_dir), verifier="w8a8", max_context=1024, threads=2, max_batch=4,
-              quant_options={"samples": 2, "seq_len": 48, "progress": False})
+              quant=QuantOptions(samples=2, seq_len=48))
     llm.prepare()
     yield llm
     torch.set_num_threads(threads)

@@ -281,7 +281,8 @@ def test_greedy_tree_decoding_equals_autoregressive(models, default_model_dir, a
     from quasar.models.tokenizer import Tokenizer
     from quasar.speculative.drafters import NoDrafter
     from quasar.speculative.batch import decode
-    from quasar.speculative.generate import DecodeOptions, Result
+    from quasar.speculative.generate import Result
+    from quasar.speculative.options import DecodeOptions, DraftOptions
     from quasar.speculative.tree_drafter import TreeDrafter
 
     _, q, ids = models[arch]
@@ -289,7 +290,8 @@ def test_greedy_tree_decoding_equals_autoregressive(models, default_model_dir, a
     q.setup_cache(CACHE)
 
     def run(drafter, budget):
-        out = [r for r in decode(q, tokenizer, ids, drafter, DecodeOptions(max_new_tokens=48, num_draft=budget))
+        draft = DraftOptions("tree", draft_budget=budget) if budget else DraftOptions("none")
+        out = [r for r in decode(q, tokenizer, ids, drafter, DecodeOptions(max_new_tokens=48, draft=draft))
                if isinstance(r, Result)]
         return out[0]
 

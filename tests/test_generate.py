@@ -88,7 +88,7 @@ def test_tree_options_are_checked(char_llm):
         char_llm.check_options(drafter="tree", draft_budget=0)
     assert e.value.param == "draft_budget"
     plan = char_llm.check_options(drafter="tree", draft_budget=7, adaptive=True)
-    assert plan.drafter_options["budget"] == 7 and plan.options.num_draft == 7 and not plan.options.adaptive
+    assert plan.draft.drafter_kwargs()["budget"] == 7 and plan.draft.step_nodes == 7 and not plan.draft.adaptive_chain
 
 
 def test_adaptive_draft_length_is_also_exact(char_llm):

@@ -226,10 +226,11 @@ def test_w8a8_checkpoint_decodes_without_float_weights(tiny_char_model, tmp_path
 def test_w8a8_verifier_of_a_float_model_never_loads_float_weights(tiny_char_model):
     """Quasar mode on a float model directory, quantizing once and then from the W8A8 cache."""
     from quasar.api import LLM
+    from quasar.quant.options import QuantOptions
 
     d = str(tiny_char_model("llama"))
     for _ in range(2):
-        llm = LLM(d, drafter="ngram", verifier="w8a8", max_context=48, quant_options={"samples": 2, "seq_len": 32})
+        llm = LLM(d, drafter="ngram", verifier="w8a8", max_context=48, quant=QuantOptions(samples=2, seq_len=32))
         llm.generate("abcabc", raw=True, max_new_tokens=4)
         assert llm.loaded.float_loaded is False
         assert not _float_linears(llm.verifier_model("w8a8"))

@@ -24,6 +24,7 @@ from quasar.quant.calibrate import CalibrationStats, StatsCollector, token_windo
 from quasar.quant.checkpoint import prepare_quantized_modules, quantization_config, save_checkpoint
 from quasar.eval.fidelity import compare_models
 from quasar.quant.int8 import Int8Linear, set_backend
+from quasar.quant.options import QuantOptions
 from quasar.quant.quantize import build_w8a8
 
 CALIB = ("The committee met on Tuesday to review the annual budget and the new transit plan.\n"
@@ -254,8 +255,11 @@ def test_w8a8_verifier_is_cached(llama, tmp_path, monkeypatch):
     from quasar.quant import verifier
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
-    opts = dict(samples=2, seq_len=48, alpha=0.5)
-    first = verifier.w8a8_verifier(llama, **opts)
+    opts = QuantOptions(samples=2, seq_len=48, alpha=0.5)
+    assert opts.cache_key(None) == {"alpha": 0.5, "lm_head": "int8", "smooth_o_down": True, "calib": None,
+                                    "samples": 2, "seq_len": 48, "rotate": True, "gptq": True,
+                                    "down_act_bits": 15, "pipeline": "sequential"}  # as the cache spelled it before
+    first = verifier.w8a8_verifier(llama, opts)
     assert first is not llama.model and not isinstance(llama.model.lm_head, Int8Linear)
     entries = list((tmp_path / "cache" / "w8a8").iterdir())
     assert len(entries) == 1 and (entries[0] / "model.safetensors.index.json").is_file()
@@ -267,14 +271,14 @@ def test_w8a8_verifier_is_cached(llama, tmp_path, monkeypatch):
 
     monkeypatch.setattr(quantize, "quantize_to_dir", no_rebuild)
     monkeypatch.setattr(quantize, "build_w8a8", no_rebuild)
-    second = verifier.w8a8_verifier(llama, **opts)
+    second = verifier.w8a8_verifier(llama, opts)
     ids = llama.tokenizer.encode(PROMPT)
     assert torch.equal(logits(second, ids), logits(first, ids))
     assert verifier.w8a8_verifier(load_model(entries[0])).lm_head is not None  # W8A8 in, as is
     with pytest.raises(QuasarError, match="alpha"):
-        verifier.w8a8_verifier(llama, alpha=2.0)
-    with pytest.raises(QuasarError, match="unknown"):
-        verifier.w8a8_verifier(llama, bogus=1)
+        QuantOptions(alpha=2.0)
+    with pytest.raises(QuasarError, match="unknown quantization option 'bogus'"):
+        build_w8a8(llama.model, llama.tokenizer, bogus=1)
 
 
 def test_run_fidelity(llama, w8a8):
@@ -369,7 +373,7 @@ def test_quantize_cli_bad_inputs(model_dirs, tmp_path, capsys, case):
     args = ["quantize", "--model", str(model_dirs["llama"]), "--out", str(out), "--samples", "1",
             "--seq-len", "16", "--no-progress"]
     expect = {"out_exists": "already exists", "missing_calib": "not found", "empty_calib": "empty",
-              "bad_alpha": "alpha", "bad_seq_len": "seq-len"}[case]
+              "bad_alpha": "alpha", "bad_seq_len": "seq_len"}[case]
     if case == "out_exists":
         out.mkdir()
         (out / "keep.txt").write_text("mine")

@@ -20,6 +20,7 @@ from quasar.models.hf import load_hf_dir
 from quasar.models.loader import load_model
 from quasar.quant import sequential
 from quasar.quant.int8 import Int8Linear
+from quasar.quant.options import QuantOptions
 from quasar.quant.quantize import build_w8a8, quantize_to_dir
 
 CALIB = ("The committee met on Tuesday to review the annual budget and the new transit plan.\n"
@@ -146,15 +147,15 @@ def test_truncated_checkpoint_shard_is_rebuilt_by_the_verifier_cache(qwen2, tmp_
     from quasar.quant.verifier import w8a8_verifier
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
-    opts = dict(samples=2, seq_len=48, progress=False)
+    opts = QuantOptions(samples=2, seq_len=48)
     ids = qwen2.tokenizer.encode("The budget review was held on Tuesday.")
-    ref = _logits(w8a8_verifier(qwen2, **opts), ids)
+    ref = _logits(w8a8_verifier(qwen2, opts, progress=False), ids)
     entry = next((tmp_path / "cache" / "w8a8").iterdir())
     shard = sorted(entry.glob("model-*.safetensors"))[3]
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(QuasarError, match="corrupt or truncated"):
         load_hf_dir(entry)
-    again = w8a8_verifier(qwen2, **opts)  # warns, rebuilds the entry, decodes the same
+    again = w8a8_verifier(qwen2, opts, progress=False)  # warns, rebuilds the entry, decodes the same
     assert torch.equal(_logits(again, ids), ref)
 
 

@@ -14,7 +14,8 @@ from quasar.speculative.acceptance import AdaptiveDraftLength, accept_greedy, ac
 from quasar.speculative.drafters import DraftTree, NgramDrafter, NoDrafter
 from quasar.speculative.logprobs import token_logprobs
 from quasar.speculative.registry import make_drafter
-from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits, sample
+from quasar.speculative.options import SamplingOptions
+from quasar.speculative.sampling import make_generator, probs_from_logits, sample
 
 
 # ---------------------------------------------------------------- drafters
@@ -182,7 +183,7 @@ def test_rows_must_match_draft():
 
 
 def test_sampling_with_greedy_probs_equals_greedy():
-    params = SamplingParams()
+    params = SamplingOptions()
     g = torch.Generator().manual_seed(0)
     for seed in range(30):
         logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
@@ -258,7 +259,7 @@ def combined_pvalue(results) -> float:
 def random_rows(rng: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
     """Target distributions with a spread of masses, some zeros (top-k) included."""
     logits = torch.randn(rows, vocab, generator=rng) * 1.5
-    return probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=vocab - 1))
+    return probs_from_logits(logits, SamplingOptions(temperature=1.0, top_k=vocab - 1))
 
 
 V = 6
@@ -447,7 +448,7 @@ def test_seeded_generator_is_reproducible():
     p = torch.softmax(torch.arange(8.0), dim=0)
     runs = []
     for _ in range(2):
-        gen = make_generator(SamplingParams(temperature=1.0, seed=42))
+        gen = make_generator(SamplingOptions(temperature=1.0, seed=42))
         runs.append([sample(p, gen) for _ in range(20)])
     assert runs[0] == runs[1]
 
@@ -456,7 +457,7 @@ def test_seeded_generator_is_reproducible():
 
 
 def test_greedy_probs_one_hot():
-    p = probs_from_logits(torch.tensor([[1.0, 3.0, 3.0, 0.0]]), SamplingParams())
+    p = probs_from_logits(torch.tensor([[1.0, 3.0, 3.0, 0.0]]), SamplingOptions())
     assert p.tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
@@ -464,18 +465,18 @@ def test_temperature_scaling():
     logits = torch.tensor([0.0, 1.0, 2.0])
     for t in (0.5, 1.0, 2.0):
         expected = torch.softmax(logits / t, dim=0)
-        assert torch.allclose(probs_from_logits(logits, SamplingParams(temperature=t)), expected)
-    p64 = probs_from_logits(logits.double(), SamplingParams(temperature=1.0))
+        assert torch.allclose(probs_from_logits(logits, SamplingOptions(temperature=t)), expected)
+    p64 = probs_from_logits(logits.double(), SamplingOptions(temperature=1.0))
     assert p64.dtype == torch.float32
 
 
 def test_top_k_keeps_exactly_k_with_ties():
     logits = torch.tensor([[1.0, 5.0, 3.0, 3.0, 3.0, 0.0]])
-    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=3))
+    p = probs_from_logits(logits, SamplingOptions(temperature=1.0, top_k=3))
     kept = (p[0] > 0).nonzero().flatten().tolist()
     assert kept == [1, 2, 3]  # tie among 2,3,4 broken towards the lower ids
     assert torch.allclose(p[0, kept], torch.softmax(logits[0, kept], dim=0))
-    full = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=100))
+    full = probs_from_logits(logits, SamplingOptions(temperature=1.0, top_k=100))
     assert (full > 0).all()
 
 
@@ -484,14 +485,14 @@ def test_top_p_keeps_smallest_set():
     logits = probs.log()
     for top_p, kept in [(0.3, [1]), (0.5, [1]), (0.6, [1, 2]), (0.75, [1, 2]), (0.8, [1, 2, 3]),
                         (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3, 4])]:
-        p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        p = probs_from_logits(logits, SamplingOptions(temperature=1.0, top_p=top_p))
         assert (p > 0).nonzero().flatten().tolist() == kept, top_p
         assert torch.allclose(p[kept], probs[kept] / probs[kept].sum())
 
 
 def test_top_k_then_top_p_batched():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]]))
-    p = probs_from_logits(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
+    p = probs_from_logits(logits, SamplingOptions(temperature=1.0, top_k=3, top_p=0.7))
     # after top-k the rows renormalise to 4/9, 3/9, 2/9: top-p 0.7 needs two tokens
     assert (p > 0).tolist() == [[True, True, False, False], [False, False, True, True]]
     assert torch.allclose(p.sum(-1), torch.ones(2))
@@ -503,12 +504,12 @@ def test_top_k_then_top_p_batched():
 ])
 def test_invalid_params_raise(kwargs):
     with pytest.raises(QuasarError):
-        SamplingParams(**kwargs).validate()
+        SamplingOptions(**kwargs)
 
 
 def test_params_defaults():
-    p = SamplingParams().validate()
-    assert p.greedy and not SamplingParams(temperature=0.7).greedy
+    p = SamplingOptions()
+    assert p.greedy and not SamplingOptions(temperature=0.7).greedy
 
 
 # ---------------------------------------------------------------- adaptive draft length

@@ -71,32 +71,15 @@ def register(sub) -> None:
     e.set_defaults(func=run_export)
 
 
-def _options(args, *names: str) -> dict:
-    """Quantization options the user set (the library defaults fill in the rest)."""
-    from quasar.quant.options import parse_alpha
+def _quant_options(args, lm_head: str | None = None):
+    """The QuantOptions of the flags (the library defaults where a flag is not given), checked."""
+    from quasar.quant.options import QuantOptions
 
-    opts = {}
-    if args.alpha is not None:
-        opts["alpha"] = parse_alpha(args.alpha)
-    if args.samples is not None:
-        opts["samples"] = args.samples
-    if args.seq_len is not None:
-        if args.seq_len < 2:
-            from quasar.errors import QuasarError
-
-            raise QuasarError(f"--seq-len must be >= 2, got {args.seq_len}")
-        opts["seq_len"] = args.seq_len
-    if args.no_smooth_o_down:
-        opts["smooth_o_down"] = False
-    if args.rotate is not None:
-        opts["rotate"] = args.rotate
-    if args.gptq is not None:
-        opts["gptq"] = args.gptq
-    if getattr(args, "down_act_bits", None) is not None:
-        opts["down_act_bits"] = args.down_act_bits
-    if getattr(args, "lm_head", None) is not None:
-        opts["lm_head"] = args.lm_head
-    return {k: v for k, v in opts.items() if k in names}
+    given = {"alpha": args.alpha, "samples": args.samples, "seq_len": args.seq_len, "rotate": args.rotate,
+             "gptq": args.gptq, "down_act_bits": args.down_act_bits, "calib": args.calib,
+             "lm_head": lm_head or getattr(args, "lm_head", None),
+             "smooth_o_down": False if args.no_smooth_o_down else None}
+    return QuantOptions(**{k: v for k, v in given.items() if v is not None})
 
 
 def _check_out(out: str) -> Path:
@@ -116,13 +99,12 @@ def run_quantize(args) -> int:
     from quasar.errors import QuasarError
 
     out = _check_out(args.out)
-    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "lm_head", "rotate", "gptq",
-                    "down_act_bits")
+    opts = _quant_options(args)
     calib_text = None
-    if args.calib is not None:
+    if opts.calib is not None:
         from quasar.data.user_files import read_text_file
 
-        calib_text = read_text_file(args.calib)  # missing / empty / not UTF-8: clear errors
+        calib_text = read_text_file(opts.calib)  # missing / empty / not UTF-8: clear errors
     import torch
 
     from quasar.models.loader import load_model
@@ -135,8 +117,8 @@ def run_quantize(args) -> int:
     loaded = load_model(args.model, args.dtype)  # config and tokenizer only: weights stream from disk
     if loaded.quantized:
         raise QuasarError(f"{args.model} is already a W8A8 checkpoint")
-    config = quantize_to_dir(loaded.model_dir, loaded.tokenizer, out, calib_text=calib_text,
-                             calib_source=args.calib, progress=not args.no_progress, **opts)
+    config = quantize_to_dir(loaded.model_dir, loaded.tokenizer, out, calib_text=calib_text, options=opts,
+                             progress=not args.no_progress)
     info = config["quantization_config"]["quasar"]
     print(f"wrote {out}: W8A8, alpha={info['alpha']}, lm_head={info['lm_head']}, "
           f"smooth_o_down={info['smooth_o_down']}, rotate={info['rotate']}, gptq={info['gptq']}, "
@@ -148,12 +130,12 @@ def run_quantize(args) -> int:
 
 def run_export(args) -> int:
     out = _check_out(args.out)
-    opts = _options(args, "alpha", "samples", "seq_len", "smooth_o_down", "rotate", "gptq", "down_act_bits")
-    if args.calib is not None:
+    # a W8A8 checkpoint is exported as it is (an int8 lm_head dequantized)
+    opts = _quant_options(args, lm_head="float")
+    if opts.calib is not None:
         from quasar.data.user_files import read_text_file
 
-        read_text_file(args.calib)  # fail early on a bad file
-        opts["calib"] = args.calib
+        read_text_file(opts.calib)  # fail early on a bad file
     import torch
 
     from quasar.models.loader import load_model
@@ -163,8 +145,7 @@ def run_export(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, args.dtype)
-    # a W8A8 checkpoint is exported as it is (an int8 lm_head dequantized)
-    model = w8a8_verifier(loaded, lm_head="float", progress=not args.no_progress, **opts)
+    model = w8a8_verifier(loaded, opts, progress=not args.no_progress)
     export_compressed_tensors(model, out, loaded.model_dir)
     print(f"wrote {out} (compressed-tensors int-quantized, lm_head float, {_size_mb(out):.0f} MB)\n"
           f"serve it: vllm serve {out} --speculative-config "

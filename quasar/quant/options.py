@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from quasar.errors import QuasarError
@@ -40,19 +39,15 @@ def parse_alpha(value: float | str) -> float | str:
     return float(value)
 
 
-def check_options(alpha: float | str, lm_head: str, backend: str,
-                  down_act_bits: int = DEFAULT_DOWN_ACT_BITS) -> float | str:
-    if down_act_bits not in ACT_BITS:
-        raise QuasarError(f"down_act_bits must be one of {', '.join(map(str, ACT_BITS))}, got {down_act_bits!r}")
-    if lm_head not in LM_HEAD_CHOICES:
-        raise QuasarError(f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, got {lm_head!r}")
-    if backend not in BACKEND_NAMES:
-        raise QuasarError(f"unknown int8 backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    return parse_alpha(alpha)
-
-
 @dataclass(frozen=True)
 class QuantOptions:
+    """How a model is quantized, checked when built (a QuasarError names a bad option).
+
+    The CLI and `LLM` build one; it reaches the quantizer as it is, its weight-changing
+    fields are the verifier cache's key (`cache_key`) and what the checkpoint records
+    (`recorded`). `calib` is the user's calibration text file (None: the built-in corpus),
+    `backend` the int8 kernels to run with (it changes no weight)."""
+
     alpha: float | str = DEFAULT_ALPHA
     smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN
     lm_head: str = DEFAULT_LM_HEAD
@@ -63,16 +58,45 @@ class QuantOptions:
     samples: int = DEFAULT_SAMPLES
     seq_len: int = DEFAULT_SEQ_LEN
     propagate: str = "quantized"
+    calib: str | None = None
 
-    def checked(self) -> "QuantOptions":
-        """These options with alpha parsed; a QuasarError names a bad one."""
-        alpha = check_options(self.alpha, self.lm_head, self.backend, self.down_act_bits)
-        if self.samples < 1 or self.seq_len < 2:
-            raise QuasarError(f"need samples >= 1 and seq_len >= 2, got {self.samples} and {self.seq_len}")
+    def __post_init__(self) -> None:
+        if self.down_act_bits not in ACT_BITS:
+            raise QuasarError(f"down_act_bits must be one of {', '.join(map(str, ACT_BITS))}, "
+                              f"got {self.down_act_bits!r}")
+        if self.lm_head not in LM_HEAD_CHOICES:
+            raise QuasarError(f"lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, got {self.lm_head!r}")
+        if self.backend not in BACKEND_NAMES:
+            raise QuasarError(f"unknown int8 backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        for name, lo in (("samples", 1), ("seq_len", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise QuasarError(f"{name} must be an integer >= {lo}, got {value!r}", param=name)
         if self.propagate not in PROPAGATE_CHOICES:
             raise QuasarError(f"propagate must be one of {', '.join(PROPAGATE_CHOICES)}, got {self.propagate!r}")
-        return dataclasses.replace(self, alpha=alpha)
+        object.__setattr__(self, "alpha", parse_alpha(self.alpha))
+        if self.calib is not None:
+            object.__setattr__(self, "calib", str(self.calib))
 
     @property
     def int8_head(self) -> bool:
         return self.lm_head == "int8"
+
+    def recorded(self) -> dict:
+        """What the checkpoint's `quantization_config.quasar` says of how it was made."""
+        return {"alpha": self.alpha, "smooth_o_down": bool(self.smooth_o_down), "lm_head": self.lm_head,
+                "backend": self.backend, "gptq": bool(self.gptq), "down_act_bits": int(self.down_act_bits),
+                "rotate": bool(self.rotate), "pipeline": "sequential", "propagate": self.propagate}
+
+    def cache_key(self, calib_digest: str | None) -> dict:
+        """The fields that change the weights, as the verifier cache keys them (`calib_digest`:
+        the calibration text's sha256, None for the built-in corpus). Spelled as before
+        QuantOptions carried them, so existing cache entries are still found; `propagate`
+        enters only when not the default, which the cache never built before."""
+        key = {"alpha": self.alpha, "lm_head": self.lm_head, "smooth_o_down": bool(self.smooth_o_down),
+               "calib": calib_digest, "samples": int(self.samples), "seq_len": int(self.seq_len),
+               "rotate": bool(self.rotate), "gptq": bool(self.gptq), "down_act_bits": int(self.down_act_bits),
+               "pipeline": "sequential"}  # entries of the earlier whole-model pipeline are not reused
+        if self.propagate != "quantized":
+            key["propagate"] = self.propagate
+        return key

@@ -42,24 +42,38 @@ def _output_config(cfg: ModelConfig, opts: QuantOptions, info: dict) -> dict:
     return checkpoint_config(out_cfg, opts.int8_head, info)
 
 
-def _calib_source(calib_text: str | None, calib_source: str | None) -> str:
-    return calib_source or ("file" if calib_text is not None else "builtin")
+def _calib_source(opts: QuantOptions, calib_text: str | None, calib_source: str | None) -> str:
+    return calib_source or opts.calib or ("file" if calib_text is not None else "builtin")
+
+
+def quant_options(options: QuantOptions | None, fields: dict) -> QuantOptions:
+    """`options`, or a QuantOptions of `fields` (keyword arguments of the Python entry points)."""
+    if options is not None:
+        if fields:
+            raise QuasarError(f"pass either QuantOptions or its fields, not both (got {sorted(fields)[0]!r})")
+        return options
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(QuantOptions)})
+    if unknown:
+        known = ", ".join(f.name for f in dataclasses.fields(QuantOptions))
+        raise QuasarError(f"unknown quantization option {unknown[0]!r}; known: {known}")
+    return QuantOptions(**fields)
 
 
 def quantize_source(source: TensorSource, cfg: ModelConfig, tokenizer, out: str | Path,
                     tokenizer_dir: Path | None = None, *, calib_text: str | None = None,
                     calib_source: str | None = None, progress: bool = True, exist_ok: bool = False,
-                    **options) -> dict:
+                    options: QuantOptions | None = None, **fields) -> dict:
     """Quantize ``source`` into a sharded W8A8 checkpoint directory ``out`` (made visible
-    only when complete); returns its config.json. ``options``: ``QuantOptions`` fields."""
-    opts = QuantOptions(**options).checked()
+    only when complete) as ``options`` say (or ``QuantOptions(**fields)``); returns its
+    config.json. ``calib_text`` is the calibration text (None: the built-in corpus)."""
+    opts = quant_options(options, fields)
     windows = _windows(tokenizer, cfg, opts, calib_text)
     written: dict = {}
 
     def fill(tmp: Path) -> None:
         writer = ShardWriter(tmp, cfg.num_layers + 2)  # embeddings, each layer, norm + lm_head
         info = quantize_layers(source, cfg, windows, writer.add, opts, progress)
-        info["calibration"]["source"] = _calib_source(calib_text, calib_source)
+        info["calibration"]["source"] = _calib_source(opts, calib_text, calib_source)
         written.update(_output_config(cfg, opts, info))
         writer.finish(written, tokenizer_dir)
 
@@ -81,10 +95,11 @@ def quantize_to_dir(model_dir: str | Path, tokenizer, out: str | Path, **kwargs)
 
 def build_w8a8(model: Transformer | TensorSource, tokenizer, *, cfg: ModelConfig | None = None,
                calib_text: str | None = None, calib_source: str | None = None, progress: bool = True,
-               dtype: torch.dtype | None = None, **options) -> Transformer:
+               dtype: torch.dtype | None = None, options: QuantOptions | None = None, **fields) -> Transformer:
     """The W8A8 Transformer of a float ``model`` in memory (or of a ``TensorSource`` with its
-    ``cfg``), built in memory; ``model`` stays intact. ``calib_text`` (e.g. from
-    ``quasar.data.read_text_file``) replaces the built-in calibration corpus."""
+    ``cfg``), built in memory as ``options`` say (or ``QuantOptions(**fields)``); ``model``
+    stays intact. ``calib_text`` (e.g. from ``quasar.data.read_text_file``) replaces the
+    built-in calibration corpus."""
     from quasar.models.hf import build_model
 
     if isinstance(model, Transformer):
@@ -93,10 +108,10 @@ def build_w8a8(model: Transformer | TensorSource, tokenizer, *, cfg: ModelConfig
         cfg, dtype, source = model.config, dtype or model.model.norm.weight.dtype, StateDictSource(model)
     else:
         source = model
-    opts = QuantOptions(**options).checked()
+    opts = quant_options(options, fields)
     tensors: dict[str, torch.Tensor] = {}
     info = quantize_layers(source, cfg, _windows(tokenizer, cfg, opts, calib_text), tensors.update, opts, progress)
-    info["calibration"]["source"] = _calib_source(calib_text, calib_source)
+    info["calibration"]["source"] = _calib_source(opts, calib_text, calib_source)
     config = _output_config(cfg, opts, info)
     qmodel = build_model(ModelConfig.from_hf(config), tensors, "w8a8", dtype or torch.float32,
                          config["quantization_config"])

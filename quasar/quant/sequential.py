@@ -107,7 +107,7 @@ def _collector(groups, all_groups, opts: QuantOptions, n_windows: int) -> StatsC
 def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[int]], sink: Sink,
                     opts: QuantOptions, progress: bool = False) -> dict:
     """Quantize the model in ``source`` part by part into ``sink``; returns what was done
-    (the checkpoint's ``quantization_config.quasar``). ``opts`` must be checked."""
+    (the checkpoint's ``quantization_config.quasar``)."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -139,16 +139,8 @@ def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[i
 
     _quantize_head(source, cfg, data.hidden, q, sink, opts, chosen)
     return {
-        "alpha": opts.alpha,
-        "smooth_o_down": bool(opts.smooth_o_down),
-        "lm_head": opts.lm_head,
-        "backend": opts.backend,
+        **opts.recorded(),
         "alphas": _alpha_summary(chosen),
-        "gptq": bool(opts.gptq),
-        "down_act_bits": int(opts.down_act_bits),
-        "rotate": bool(opts.rotate),
-        "pipeline": "sequential",
-        "propagate": opts.propagate,
         "calibration": {"samples": len(windows), "seq_len": max(len(w) for w in windows),
                         "tokens": sum(len(w) for w in windows)},
         "seconds": round(time.perf_counter() - t0, 1),

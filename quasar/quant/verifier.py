@@ -22,9 +22,7 @@ import torch
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.paths import cache_dir
-from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
-from quasar.quant.options import (DEFAULT_ALPHA, DEFAULT_DOWN_ACT_BITS, DEFAULT_GPTQ, DEFAULT_LM_HEAD, DEFAULT_ROTATE,
-                                  DEFAULT_SMOOTH_O_DOWN)
+from quasar.quant.options import QuantOptions
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -42,17 +40,18 @@ def model_identity(model_dir: Path) -> list:
     return [str(model_dir), *[_file_identity(p) for p in files]]
 
 
-def cache_key(model_dir: Path, dtype: torch.dtype, options: dict) -> str:
+def cache_key(model_dir: Path, dtype: torch.dtype, key: dict) -> str:
     from quasar.quant.checkpoint import FORMAT_VERSION
 
-    blob = json.dumps({"model": model_identity(model_dir), "dtype": str(dtype), "options": options,
+    blob = json.dumps({"model": model_identity(model_dir), "dtype": str(dtype), "options": key,
                        "format": FORMAT_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def cache_path(model_dir: Path, dtype: torch.dtype, options: dict) -> Path:
+def cache_path(model_dir: Path, dtype: torch.dtype, key: dict) -> Path:
+    """The cache entry of `model_dir` quantized with options whose `QuantOptions.cache_key` is `key`."""
     name = f"{Path(model_dir).resolve().name}-{_DTYPE_NAMES.get(dtype, str(dtype))}"
-    return cache_dir("w8a8") / f"{name}-{cache_key(model_dir, dtype, options)}"
+    return cache_dir("w8a8") / f"{name}-{cache_key(model_dir, dtype, key)}"
 
 
 def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
@@ -65,46 +64,33 @@ def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
     return text, hashlib.sha256(text.encode()).hexdigest()
 
 
-def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = DEFAULT_LM_HEAD,
-                  smooth_o_down: bool = DEFAULT_SMOOTH_O_DOWN, calib: str | Path | None = None,
-                  samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, rotate: bool = DEFAULT_ROTATE,
-                  gptq: bool = DEFAULT_GPTQ, backend: str = "auto", down_act_bits: int = DEFAULT_DOWN_ACT_BITS,
-                  cache: bool = True, progress: bool | None = None, **unknown) -> Transformer:
-    """The W8A8 Transformer for ``loaded`` (a ``LoadedModel``), from its directory alone.
+def w8a8_verifier(loaded, options: QuantOptions | None = None, *, cache: bool = True,
+                  progress: bool | None = None) -> Transformer:
+    """The W8A8 Transformer for ``loaded`` (a ``LoadedModel``), from its directory alone,
+    quantized as ``options`` say (default: ``QuantOptions()``).
 
     A directory that is already W8A8 (a quantized checkpoint) gives ``loaded.model`` as is.
     Otherwise the first call quantizes the directory layer by layer (tens of seconds for the
     default model) straight into the cache; later calls with the same model and options
     load that checkpoint. The float model is never loaded for this.
     """
-    from quasar.quant.options import QuantOptions
     from quasar.quant.quantize import build_w8a8, quantize_to_dir
 
-    if unknown:
-        raise QuasarError(f"unknown quantization option {sorted(unknown)[0]!r}; known: alpha, lm_head, "
-                          "smooth_o_down, calib, samples, seq_len, rotate, gptq, backend, down_act_bits, cache, progress")
-    alpha = QuantOptions(alpha=alpha, lm_head=lm_head, backend=backend, down_act_bits=down_act_bits,
-                         samples=samples, seq_len=seq_len).checked().alpha
+    options = options or QuantOptions()
     model_dir = Path(loaded.model_dir)
     if loaded.quantized:
-        return _with_backend(loaded.model, backend)
+        return _with_backend(loaded.model, options.backend)
     if progress is None:
         progress = sys.stderr.isatty()
-    text, digest = _calib_text(calib)
+    text, digest = _calib_text(options.calib)
     # The verifier's float parts (norms, embeddings, biases) are float32 whatever the float
     # model's dtype: they are a small share of the bytes, and the fused step needs them so.
     dtype = torch.float32
-    options = {"alpha": alpha, "lm_head": lm_head, "smooth_o_down": bool(smooth_o_down), "calib": digest,
-               "samples": int(samples), "seq_len": int(seq_len), "rotate": bool(rotate),
-               "gptq": bool(gptq), "down_act_bits": int(down_act_bits),
-               "pipeline": "sequential"}  # entries of the earlier whole-model pipeline are not reused
-    build = dict(alpha=alpha, lm_head=lm_head, smooth_o_down=smooth_o_down, samples=samples, seq_len=seq_len,
-                 rotate=rotate, gptq=gptq, backend=backend, down_act_bits=down_act_bits, calib_text=text,
-                 calib_source=str(calib) if calib else None, progress=progress)
-    target = cache_path(model_dir, dtype, options) if cache else None
+    build = dict(options=options, calib_text=text, progress=progress)
+    target = cache_path(model_dir, dtype, options.cache_key(digest)) if cache else None
     if target is not None and (target / "config.json").is_file():
         try:
-            return _load(target, dtype, backend)
+            return _load(target, dtype, options.backend)
         except QuasarError as e:  # damaged entry: rebuild it
             print(f"warning: rebuilding the W8A8 cache entry {target} ({e})", file=sys.stderr)
             shutil.rmtree(target, ignore_errors=True)
@@ -113,7 +99,7 @@ def w8a8_verifier(loaded, *, alpha: float | str = DEFAULT_ALPHA, lm_head: str = 
             print("quantizing the model to W8A8 layer by layer (once; the result is cached)...", file=sys.stderr)
         try:
             quantize_to_dir(model_dir, loaded.tokenizer, target, exist_ok=True, **build)
-            return _load(target, dtype, backend)
+            return _load(target, dtype, options.backend)
         except OSError as e:  # a read-only or full cache must not stop decoding
             print(f"warning: could not cache the W8A8 model in {target} ({e}); building it in memory",
                   file=sys.stderr)

@@ -46,22 +46,16 @@ def register(sub) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    """The serving options; the draft options and --max-batch are checked where they are
+    built (`draft_options`, `LLM`), as for every other way in."""
     if not 0 < args.port < 65536:
         raise QuasarError(f"--port must be in 1..65535, got {args.port}")
     if args.max_queue < 1:
         raise QuasarError(f"--max-queue must be at least 1, got {args.max_queue}")
-    if not 1 <= args.max_batch <= 64:
-        raise QuasarError(f"--max-batch must be in 1..64, got {args.max_batch}")
     if args.default_max_tokens < 1:
         raise QuasarError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if args.max_context is not None and args.max_context < 2:
         raise QuasarError(f"--max-context must be at least 2, got {args.max_context}")
-    if not 0 <= args.num_draft <= 64:
-        raise QuasarError(f"--num-draft must be in 0..64, got {args.num_draft}")
-    if not 1 <= args.ngram_min <= args.ngram_max:
-        raise QuasarError(f"need 1 <= --ngram-min <= --ngram-max, got {args.ngram_min}, {args.ngram_max}")
-    if not 1 <= args.draft_budget <= 64:
-        raise QuasarError(f"--draft-budget must be in 1..64, got {args.draft_budget}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -91,7 +85,10 @@ def _check_port(host: str, port: int) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from quasar.cli_args import draft_options
+
     _check_args(args)
+    draft = draft_options(args)  # every request's defaults
     _check_port(args.host, args.port)
     try:
         import uvicorn  # noqa: F401
@@ -105,11 +102,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it",
               file=sys.stderr)
-    llm = LLM(args.model, dtype=args.dtype, drafter=args.drafter, verifier=args.verifier,
+    llm = LLM(args.model, dtype=args.dtype, draft=draft, verifier=args.verifier,
               max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads, max_batch=args.max_batch)
     app = create_app(llm, api_key=api_key, max_queue=args.max_queue, model_name=args.served_model_name,
-                     num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                     adaptive=args.adaptive, draft_budget=args.draft_budget, default_max_tokens=args.default_max_tokens)
+                     default_max_tokens=args.default_max_tokens)
     # The weights load lazily: build the default verifier before listening, so bad weights
     # fail here and the first request is not the one that waits for them; on the engine's
     # thread, which does all of the model's work (Scheduler.call).

@@ -6,6 +6,11 @@ status 400. Unknown fields are ignored (clients send many); known fields of the 
 type, and features this server does not implement (tools, penalties, ...), are rejected
 rather than silently dropped. Quasar's own fields (`drafter`, `verifier`, `num_draft`,
 `ngram_min`, `ngram_max`, `adaptive`, `draft_budget`, `top_k`) are accepted as extras.
+
+This module is where a request's fields are checked: JSON types and OpenAI's own limits
+here, the ranges of the decoding options by building them (`DraftOptions`,
+`SamplingOptions`, then `request_plan`), whose one-line messages are the CLI's and
+`LLM`'s too.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from quasar.errors import QuasarError
 from quasar.speculative.logprobs import MAX_TOP_LOGPROBS
+from quasar.speculative.options import DecodeOptions, DecodePlan, DraftOptions, SamplingOptions
 
 MAX_STOP = 16
 MAX_N = 16  # choices per request; decoded one after another, so each costs a full generation
+MAX_TEMPERATURE = 2.0  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 # Deepest nesting a request body may have. Real requests need about 6 levels (messages ->
 # message -> content parts -> part); the bound keeps everything that walks a body (json's
@@ -185,32 +193,36 @@ class GenRequest:
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions(temperature=1.0))
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     n: int = 1
     logprobs: int | None = None  # None: off; N: each token's logprob and N alternatives
-    # Quasar extras; None = the server's default
-    drafter: str | None = None
+    # Quasar extras: the server's defaults where the request sets none
+    draft: DraftOptions = field(default_factory=DraftOptions)
     verifier: str | None = None
-    num_draft: int | None = None
-    ngram_min: int | None = None
-    ngram_max: int | None = None
-    adaptive: bool | None = None
-    draft_budget: int | None = None
 
 
-def _common(f: _Fields, req: GenRequest) -> GenRequest:
-    req.temperature = f.number("temperature", 1.0, 0.0, 2.0)
-    req.top_p = f.number("top_p", 1.0, 0.0, 1.0)
-    if req.top_p <= 0:
-        raise _invalid_value("top_p", "must be greater than 0.")
-    req.top_k = f.integer("top_k", 0, 0)
-    req.seed = f.integer("seed")
+def _checked(build, *args, **kwargs):
+    """`build(*args, **kwargs)`, its QuasarError (a bad option) as a 400 naming the field."""
+    try:
+        return build(*args, **kwargs)
+    except QuasarError as e:
+        raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+
+
+def request_plan(llm, req: GenRequest, max_tokens: int) -> DecodePlan:
+    """The request's `DecodePlan` on `llm` (`quasar.api.LLM.plan`): its verifier named and
+    its drafter resolved; a bad value is a 400."""
+    options = _checked(DecodeOptions, max_new_tokens=max_tokens, sampling=req.sampling, stop=req.stop,
+                       draft=req.draft, logprobs=req.logprobs)
+    return _checked(llm.plan, options, req.verifier)
+
+
+def _common(f: _Fields, req: GenRequest, draft: DraftOptions) -> GenRequest:
+    req.sampling = _checked(SamplingOptions, temperature=f.number("temperature", 1.0, hi=MAX_TEMPERATURE),
+                            top_k=f.integer("top_k", 0), top_p=f.number("top_p", 1.0), seed=f.integer("seed"))
     stop = f.body.get("stop")
     if isinstance(stop, str):
         req.stop = [stop]
@@ -222,8 +234,6 @@ def _common(f: _Fields, req: GenRequest) -> GenRequest:
         req.stop = list(stop)
     elif stop is not None:
         raise _invalid_type("stop", "a string or an array of strings", stop)
-    if any(s == "" for s in req.stop):
-        raise _invalid_value("stop", "stop sequences must not be empty.")
     req.stream = f.boolean("stream", False)
     opts = f.body.get("stream_options")
     if opts is not None:
@@ -243,13 +253,10 @@ def _common(f: _Fields, req: GenRequest) -> GenRequest:
     f.unsupported("logit_bias", lambda v: v == {})
     f.string("user")
     # Quasar's extras
-    req.drafter = f.string("drafter")
     req.verifier = f.string("verifier")
-    req.num_draft = f.integer("num_draft", None, 0, 64)
-    req.ngram_min = f.integer("ngram_min", None, 1, 64)
-    req.ngram_max = f.integer("ngram_max", None, 1, 64)
-    req.adaptive = f.boolean("adaptive")
-    req.draft_budget = f.integer("draft_budget", None, 1, 64)
+    req.draft = _checked(draft.replace, drafter=f.string("drafter"), num_draft=f.integer("num_draft"),
+                         ngram_min=f.integer("ngram_min"), ngram_max=f.integer("ngram_max"),
+                         draft_budget=f.integer("draft_budget"), adaptive=f.boolean("adaptive"))
     return req
 
 
@@ -268,7 +275,8 @@ def _message_content(i: int, content: Any) -> str:
     raise _invalid_type(f"messages[{i}].content", "a string or an array of text parts", content)
 
 
-def parse_chat(body: dict) -> GenRequest:
+def parse_chat(body: dict, draft: DraftOptions) -> GenRequest:
+    """A chat request; its draft options are `draft` (the server's defaults) where it sets none."""
     f = _Fields(body)
     req = GenRequest("chat", f.string("model"))
     messages = body.get("messages")
@@ -305,10 +313,11 @@ def parse_chat(body: dict) -> GenRequest:
     f.unsupported("functions", lambda v: v == [])
     f.unsupported("tool_choice", lambda v: v == "none")
     f.unsupported("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text")
-    return _common(f, req)
+    return _common(f, req, draft)
 
 
-def parse_completion(body: dict, vocab_size: int) -> GenRequest:
+def parse_completion(body: dict, vocab_size: int, draft: DraftOptions) -> GenRequest:
+    """A completion request over a vocabulary of `vocab_size`; draft options as `parse_chat`'s."""
     f = _Fields(body)
     req = GenRequest("completion", f.string("model"))
     prompt = body.get("prompt")
@@ -335,7 +344,7 @@ def parse_completion(body: dict, vocab_size: int) -> GenRequest:
     f.unsupported("echo", lambda v: v is False)
     req.logprobs = f.integer("logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
     f.unsupported("suffix", lambda v: v == "")
-    return _common(f, req)
+    return _common(f, req, draft)
 
 
 # --------------------------------------------------------------------------- responses

@@ -23,7 +23,6 @@ to its own job: the worker catches everything, reports it, and goes on with the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -37,6 +36,7 @@ from typing import Any
 from quasar.errors import QuasarError
 from quasar.server.metrics import ServerMetrics
 from quasar.speculative.generate import Chunk, Result
+from quasar.speculative.options import DecodePlan
 
 log = logging.getLogger("quasar.server")
 
@@ -54,7 +54,7 @@ class SchedulerClosed(Exception):
 @dataclass
 class Job:
     prompt_ids: list[int]
-    options: dict  # keyword arguments for LLM.check_options
+    plan: DecodePlan  # checked where the request came in; choice i samples with seed + i
     on_event: EventSink
     n: int = 1  # choices of the same prompt
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -75,13 +75,16 @@ class _Running:
     """A job the worker has taken: its plan, its choices' results, the choices in a batch."""
 
     job: Job
-    plan: Any  # quasar.api.DecodePlan
     results: list[Result | None]
     next_choice: int = 0  # choices [0, next_choice) have been given a slot
     live: set[int] = field(default_factory=set)
     # choice -> [output tokens, steps] streamed so far, while it decodes (a finished choice
     # reports its result's stats instead; these are reported when the job is cancelled)
     partial: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def plan(self) -> DecodePlan:
+        return self.job.plan
 
     @property
     def labels(self) -> dict:
@@ -251,14 +254,13 @@ class Scheduler:
             self.completed += 1
             return
         try:
-            plan = self.llm.check_options(**job.options)
-            self._batch(plan.verifier)  # builds the verifier the first time
+            self._batch(job.plan.verifier)  # builds the verifier the first time
         except Exception as e:
             self._job_failed(job, e)
             self.completed += 1
             return
         m.prompt_tokens.inc(len(job.prompt_ids))
-        self._running[job.id] = _Running(job, plan, [None] * job.n)
+        self._running[job.id] = _Running(job, [None] * job.n)
         self._update_gauges()
 
     def _batch(self, verifier: str):
@@ -276,8 +278,8 @@ class Scheduler:
         plan = run.plan
         try:
             options = plan.options
-            if index and plan.options.sampling.seed is not None:  # choice i samples with seed + i
-                options = _with_seed(plan.options, plan.options.sampling.seed + index)
+            if index and options.sampling.seed is not None:  # choice i samples with seed + i
+                options = options.with_seed(options.sampling.seed + index)
             batch.add((run.job.id, index), run.job.prompt_ids, self.llm.new_drafter(plan), options)
         except Exception as e:
             self._end(run, "error", e)
@@ -378,8 +380,4 @@ class Scheduler:
             m.acceptance.observe(int(emitted), count=n, **labels)
         if s.new_tokens:
             m.tokens_per_s.observe(s.tokens_per_s)
-
-
-def _with_seed(opts, seed: int):
-    return dataclasses.replace(opts, sampling=dataclasses.replace(opts.sampling, seed=seed))
 

@@ -14,38 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quasar.defaults import DEFAULT_NUM_DRAFT, DEFAULT_ROW_COST
+from quasar.defaults import DEFAULT_ROW_COST
 from quasar.errors import QuasarError
 from quasar.models.tokenizer import StreamDecoder, Tokenizer
 from quasar.speculative.acceptance import (AdaptiveDraftLength, accept_greedy_tree, accept_sampling,
                                           accept_sampling_tree)
 from quasar.speculative.drafters import Drafter, DraftTree
-from quasar.speculative.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
-from quasar.speculative.sampling import SamplingParams, make_generator, probs_from_logits
-
-
-@dataclass
-class DecodeOptions:
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
-    num_draft: int = DEFAULT_NUM_DRAFT
-    adaptive: bool = False  # choose k per step from recent acceptance
-    logprobs: int | None = None  # None: off; N: each output token's logprob and its row's N best alternatives
-
-    def validate(self) -> "DecodeOptions":
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise QuasarError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", param="max_new_tokens")
-        if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or not 0 <= self.num_draft <= 64:
-            raise QuasarError(f"num_draft must be an integer in [0, 64], got {self.num_draft!r}", param="num_draft")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise QuasarError("stop strings must be non-empty strings", param="stop")
-        lp = self.logprobs
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
-            raise QuasarError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}",
-                              param="logprobs")
-        self.sampling.validate()
-        return self
+from quasar.speculative.logprobs import TokenLogprob, token_logprobs
+from quasar.speculative.options import DecodeOptions
+from quasar.speculative.sampling import make_generator, probs_from_logits
 
 
 @dataclass
@@ -208,7 +185,6 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions, tokenizer: Tokenizer,
                  max_seq_len: int, row_cost: float = DEFAULT_ROW_COST, pass_rows: int | None = None,
                  key_cost: float = 0.0):
-        opts.validate()
         if not prompt_ids:
             raise QuasarError("the prompt is empty")
         if len(prompt_ids) >= max_seq_len:
@@ -222,9 +198,9 @@ class Sequence:
         # tree stays within pass_rows rows (Transformer.pass_rows: more cost another pass);
         # key_cost (Transformer.key_cost) makes rows dearer as the context grows (row_cost_at).
         self.row_cost, self.pass_rows, self.key_cost = row_cost, pass_rows, key_cost
-        self.adaptive = AdaptiveDraftLength(k_max=max(opts.num_draft, 1) + 3, start=max(opts.num_draft, 1),
-                                            token_cost=row_cost) \
-            if opts.adaptive and opts.num_draft > 0 else None
+        k = opts.draft.num_draft
+        self.adaptive = AdaptiveDraftLength(k_max=k + 3, start=k, token_cost=row_cost) \
+            if opts.draft.adaptive_chain else None
         self.out = _Output(tokenizer, opts)
         self.logprobs: list[TokenLogprob] | None = [] if opts.logprobs is not None else None
         drafter.reset(self.prompt_ids)
@@ -254,7 +230,7 @@ class Sequence:
         if room <= 0:
             self.out.finish = "length"
             return None
-        want = self.adaptive.next_k() if self.adaptive else self.opts.num_draft
+        want = self.adaptive.next_k() if self.adaptive else self.opts.draft.step_nodes
         k = max(0, min(want, room - 1, self.opts.max_new_tokens - len(self.out.ids) - 1))
         if max_draft is not None:
             k = min(k, max_draft)

@@ -7,43 +7,12 @@ acceptance. Greedy decoding is the temperature-0 case: a one-hot at the argmax.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from quasar.errors import QuasarError
+from quasar.speculative.options import SamplingOptions
 
 
-@dataclass
-class SamplingParams:
-    """How to pick tokens: temperature 0 is greedy; top_k=0 and top_p=1 disable filtering."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def validate(self) -> "SamplingParams":
-        """Raise QuasarError for values a user could have mistyped; returns self to chain."""
-        t, p, k = self.temperature, self.top_p, self.top_k
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise QuasarError(f"temperature must be a finite number >= 0, got {t!r}", param="temperature")
-        if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise QuasarError(f"top_p must be in (0, 1], got {p!r}", param="top_p")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise QuasarError(f"top_k must be an integer >= 0 (0 = off), got {k!r}", param="top_k")
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise QuasarError(f"seed must be an integer or None, got {seed!r}", param="seed")
-        return self
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+def make_generator(params: SamplingOptions, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from params.seed (reproducible) or from fresh entropy when None."""
     gen = torch.Generator(device=device)
     if params.seed is None:
@@ -53,7 +22,7 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return gen
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def probs_from_logits(logits: torch.Tensor, params: SamplingOptions) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p; return float32 probabilities over the last dim.
 
     Ties are broken towards the lower token id (stable sort, first argmax), so the kept set

@@ -32,12 +32,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 
-from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_RECYCLE_TOP_K
+from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_RECYCLE_TOP_K, MAX_DRAFT
 from quasar.errors import QuasarError
 from quasar.speculative.drafters import Drafter, DraftTree, NgramDrafter
-
-MAX_DRAFT_BUDGET = 64  # as many draft tokens as DecodeOptions.num_draft allows
-
 
 # P(the verifier's greedy next token is a candidate | the candidate's parent was accepted),
 # by the candidate's evidence: [longest n-gram proposing it (0: none)][that n-gram's
@@ -157,8 +154,8 @@ class TreeDrafter(Drafter):
     def check_options(budget: int = DEFAULT_DRAFT_BUDGET, n_min: int = DEFAULT_NGRAM_MIN,
                       n_max: int = DEFAULT_NGRAM_MAX) -> None:
         """Raise QuasarError for options the constructor would refuse."""
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_DRAFT_BUDGET:
-            raise QuasarError(f"draft_budget must be an integer in [1, {MAX_DRAFT_BUDGET}], got {budget!r}",
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_DRAFT:
+            raise QuasarError(f"draft_budget must be an integer in [1, {MAX_DRAFT}], got {budget!r}",
                               param="draft_budget")
         NgramDrafter.check_options(n_min, n_max)
 
