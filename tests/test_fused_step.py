@@ -342,21 +342,21 @@ def test_w8a8_models_get_the_row_select_op_and_their_row_cost(models):
     """install() gives a W8A8 model the one-pass argmax / top-k (the same tokens as torch's)
     and the row cost of this CPU's kernel; float models keep torch and the default cost."""
     from quasar.defaults import DEFAULT_ROW_COST
-    from quasar.quant import fused_step
+    from quasar.quant import step_cost
 
     fp, q, ids = models["qwen3"]
     assert q.select_kernel is not None and fp.select_kernel is None
-    expected = {"amx": fused_step.AMX_ROW_COST, "avx512-vnni": fused_step.VNNI_ROW_COST}.get(
-        ext.kernel_path(), fused_step.AVX2_ROW_COST)  # the prior, before LLM measures the step
-    assert q.row_cost == expected == fused_step.step_row_cost() and fp.row_cost == DEFAULT_ROW_COST  # tiny: the cap
-    assert q.pass_rows == (fused_step.AMX_PASS_ROWS if ext.amx_supported() else fused_step.VNNI_PASS_ROWS)
+    expected = {"amx": step_cost.AMX_ROW_COST, "avx512-vnni": step_cost.VNNI_ROW_COST}.get(
+        ext.kernel_path(), step_cost.AVX2_ROW_COST)  # the prior, before LLM measures the step
+    assert q.row_cost == expected == step_cost.prior_row_cost() and fp.row_cost == DEFAULT_ROW_COST  # tiny: the cap
+    assert q.pass_rows == (step_cost.AMX_PASS_ROWS if ext.amx_supported() else step_cost.VNNI_PASS_ROWS)
     assert fp.pass_rows is None
     cfg = q.config  # key cost: a key's K/V bytes over the int8 weight bytes
     key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (2 if q.kv_dtype == torch.bfloat16 else 4)
     weights = sum(m.in_features * m.out_features for m in q.modules() if isinstance(m, Int8Linear))
     assert q.key_cost == pytest.approx(key_bytes / weights) and fp.key_cost == 0.0
     big = nn.Sequential(*[Int8Linear(4096, 4096) for _ in range(16)])  # 268 MB: rows relatively cheaper
-    assert fused_step.step_row_cost(big) == pytest.approx(expected * (135e6 / (16 * 4096 * 4096)) ** 0.5)
+    assert step_cost.prior_row_cost(big) == pytest.approx(expected * (135e6 / (16 * 4096 * 4096)) ** 0.5)
     logits = step_logits(q, long_ids(ids), 9, fused=True)
     best, top = q.row_argmax_topk(logits, 8)
     want_best, want_top = fp.row_argmax_topk(logits, 8)  # torch

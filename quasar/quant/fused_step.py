@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
+from quasar.quant import step_cost
 from quasar.quant.int8 import Int8Linear
 
 __all__ = ["FusedW8A8Step", "install"]
@@ -172,90 +173,15 @@ def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:
     return torch.bfloat16
 
 
-# Extra time per row of a fused step, as a fraction of a one-row step: the prior a W8A8 model
-# gets at install; quasar.api.LLM replaces it with the model's own measured costs
-# (quasar.quant.step_cost). Measured with scripts/step_rows.py on the 2-core development machines. Default model (135 MB of int8
-# weights): with AMX a 16-row step costs ~1.35-1.5x a one-row step (~0.027 a row past the
-# second); with the VNNI kernel alone 6 rows cost ~1.2-1.4x (0.07), more a further pass over
-# each weight tile. AMX_ROW_COST prices rows a little under that, 0.02: with the recycling
-# table shared across requests, trees then decode ~1% faster at L +5% (3 interleaved runs,
-# 20 prompts x 2: 345.4 / 318.1 / 307.4 against 341.2 / 313.1 / 305.0 tokens/s at 0.03; 0.01
-# and 0.015 no better), the chain ~1% faster (288.1 vs 285.4): a path's probability, the
-# product of its edges', undervalues deep nodes of a text that repeats.
-# A row's work grows with the model like the step's bytes do, but its fixed share shrinks:
-# at 1.5B (1.54 GB) 16 rows cost 1.17x with AMX (0.011) and 6 rows 1.09x with VNNI (0.018),
-# about the default model's cost times sqrt(135 MB / bytes), which step_row_cost uses.
-# Below the AVX512 paths (AVX2's three-instruction int8 products) a row costs ~0.2-0.3.
-AMX_ROW_COST = 0.02
-VNNI_ROW_COST = 0.07
-AVX2_ROW_COST = 0.25
-_REFERENCE_BYTES = 135e6
-
-
-def int8_weight_bytes(model: nn.Module) -> int:
-    """Bytes of `model`'s int8 weights (every Int8Linear's in x out): what a step streams."""
-    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
-
-
-def step_row_cost(model: nn.Module | None = None) -> float:
-    """What one more row costs a fused W8A8 step of `model` on this CPU (Transformer.row_cost),
-    as a fraction of a one-row step: this CPU's kernel's cost on the default model, scaled
-    down as sqrt(135 MB / the model's int8 weight bytes) for larger models (at most 4x)."""
-    from quasar.defaults import DEFAULT_ROW_COST
-    from quasar.quant import ext
-
-    path = ext.kernel_path()
-    if path == "amx":
-        base = AMX_ROW_COST
-    elif path == "avx512-vnni":
-        base = VNNI_ROW_COST
-    elif path in ext.KERNEL_PATHS:
-        base = AVX2_ROW_COST
-    else:
-        return DEFAULT_ROW_COST
-    if model is None:
-        return base
-    weight_bytes = int8_weight_bytes(model)
-    return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(weight_bytes, 1)) ** 0.5))
-
-
-# Rows one pass of the fused step's GEMMs over each weight tile takes: a tdpbusd's 16 rows
-# with AMX (17-32 rows cost a second block: 16 -> 24 rows 1.17x -> 1.47x a one-row step at
-# 1.5B), 6 rows in registers with VNNI (7 rows cost a second pass); the lower paths take
-# a chain of 5 drafts (6 rows) too, at their row cost.
-AMX_PASS_ROWS = 16
-VNNI_PASS_ROWS = 6
-
-
-def step_pass_rows() -> int | None:
-    """Rows a fused W8A8 step takes in one pass over its weights on this CPU (None without it)."""
-    from quasar.quant import ext
-
-    if ext.amx_supported():
-        return AMX_PASS_ROWS
-    return VNNI_PASS_ROWS if ext.small_m_supported() else None
-
-
-def step_key_cost(model: nn.Module) -> float:
-    """A one-row fused step's extra time per cached key, as a fraction of its time without
-    context (Transformer.key_cost): both stream from memory, so the ratio of a key's K/V bytes
-    (every layer, in the KV cache's dtype) to the int8 weight bytes."""
-    cfg = model.config
-    elem = torch.finfo(model.kv_dtype or torch.float32).bits // 8
-    key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-    weight_bytes = int8_weight_bytes(model)
-    return key_bytes / max(weight_bytes, 1)
-
-
 def install(model: nn.Module) -> None:
     """Give a W8A8 ``Transformer`` the fused step (it checks applicability when called), its
-    KV cache dtype, the one-pass argmax / top-k of its logits rows, its row cost, pass rows
-    and key cost."""
+    KV cache dtype, the one-pass argmax / top-k of its logits rows, and the prior row cost,
+    pass rows and key cost of quasar.quant.step_cost (LLM measures the row cost and pass rows)."""
     from quasar.quant import ext
 
     model.step_kernel = FusedW8A8Step(model)
     model.kv_dtype = kv_cache_dtype(model)
     model.select_kernel = ext.row_argmax_topk_op()
-    model.row_cost = step_row_cost(model)
-    model.pass_rows = step_pass_rows()
-    model.key_cost = step_key_cost(model)
+    model.row_cost = step_cost.prior_row_cost(model)
+    model.pass_rows = step_cost.prior_pass_rows()
+    model.key_cost = step_cost.key_cost(model)

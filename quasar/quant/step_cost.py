@@ -1,4 +1,5 @@
-"""What more rows cost a fused W8A8 step on this CPU, measured on the model itself.
+"""What more rows cost a fused W8A8 step on this CPU: measured on the model itself, with
+priors per kernel path for models not measured yet.
 
 A verifier step of k rows (drafts, tree nodes, batched sequences) costs little more than a
 one-row step where the GEMMs have arithmetic to spare while the weights stream in (AMX
@@ -31,8 +32,10 @@ from torch import nn
 
 from quasar.fileio import write_atomic
 from quasar.paths import cache_dir
+from quasar.quant.int8 import Int8Linear
 
-__all__ = ["PROBE_ROWS", "StepCosts", "current", "measure", "install_measured"]
+__all__ = ["PROBE_ROWS", "StepCosts", "current", "install_measured", "key_cost", "measure", "prior_pass_rows",
+           "prior_row_cost"]
 
 PROBE_ROWS = (1, 2, 4, 8, 16)
 # A row costing at most this share of a one-row step is cheap enough to fill a pass with.
@@ -46,6 +49,75 @@ _PROMPT_TOKENS = 32
 _VERSION = 1  # of the probe: a change here invalidates cached results
 
 
+# ---------------------------------------------------------------- priors
+# Before a model's step is measured (models built outside LLM: the quantizer's, the tests'),
+# its row cost and pass rows come from the kernel path. The figures are scripts/step_rows.py
+# and scripts/compare_drafters.py measurements on the 2-core development machines
+# (BENCHMARKS.md): with AMX a 16-row step of the default model (135 MB of int8 weights) costs
+# ~0.027 of a one-row step a row, priced a little under (0.02) because a path's probability,
+# the product of its edges', undervalues deep nodes of a text that repeats; with the
+# AVX512-VNNI kernel alone ~0.07 (6 rows in registers, a further pass over each weight tile
+# past them); below AVX512 (three instructions per int8 product pair) ~0.2-0.3. A row's
+# work grows with the model like the step's bytes, but its fixed share shrinks: the cost is
+# scaled by sqrt(135 MB / the model's int8 bytes) (measured ~0.011 with AMX at 1.5B).
+AMX_ROW_COST = 0.02
+VNNI_ROW_COST = 0.07
+AVX2_ROW_COST = 0.25
+_REFERENCE_BYTES = 135e6
+# Rows one pass of the GEMMs over each weight tile takes: a tdpbusd's 16 rows with AMX, 6
+# rows in registers with VNNI (the lower paths too: a chain of 5 drafts).
+AMX_PASS_ROWS = 16
+VNNI_PASS_ROWS = 6
+
+
+def int8_weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s int8 weights (every Int8Linear's in x out): what a step streams."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+
+
+def prior_row_cost(model: nn.Module | None = None) -> float:
+    """What one more row costs a fused W8A8 step of `model` on this kernel path before it is
+    measured (Transformer.row_cost), as a fraction of a one-row step: the path's cost on the
+    default model, scaled down as sqrt(135 MB / the model's int8 weight bytes) (at most 4x)."""
+    from quasar.defaults import DEFAULT_ROW_COST
+    from quasar.quant import ext
+
+    path = ext.kernel_path()
+    if path == "amx":
+        base = AMX_ROW_COST
+    elif path == "avx512-vnni":
+        base = VNNI_ROW_COST
+    elif path in ext.KERNEL_PATHS:
+        base = AVX2_ROW_COST
+    else:
+        return DEFAULT_ROW_COST
+    if model is None:
+        return base
+    weight_bytes = int8_weight_bytes(model)
+    return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(weight_bytes, 1)) ** 0.5))
+
+
+def prior_pass_rows() -> int | None:
+    """Rows a fused W8A8 step takes in one pass over its weights on this kernel path before it
+    is measured (None without the C++ op)."""
+    from quasar.quant import ext
+
+    if ext.amx_supported():
+        return AMX_PASS_ROWS
+    return VNNI_PASS_ROWS if ext.small_m_supported() else None
+
+
+def key_cost(model: nn.Module) -> float:
+    """A one-row fused step's extra time per cached key, as a fraction of its time without
+    context (Transformer.key_cost): both stream from memory, so the ratio of a key's K/V bytes
+    (every layer, in the KV cache's dtype) to the int8 weight bytes."""
+    cfg = model.config
+    elem = torch.finfo(model.kv_dtype or torch.float32).bits // 8
+    key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    return key_bytes / max(int8_weight_bytes(model), 1)
+
+
+# ---------------------------------------------------------------- measured
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds of a fused step of each probed row count (the fastest of a few), on one kernel path."""
@@ -76,7 +148,6 @@ class StepCosts:
 
 def _cache_key(model: nn.Module, path: str) -> str:
     from quasar.quant import ext
-    from quasar.quant.fused_step import int8_weight_bytes
 
     cfg = model.config
     parts = (_VERSION, path, ext.build_dir().name, torch.get_num_threads(), cfg.hidden_size, cfg.num_layers,
