@@ -26,6 +26,22 @@ namespace step {
 // Contexts up to one block are computed exactly as before.
 constexpr int64_t kBlockKeys = 512;
 
+// Where a key block [lo, hi) ends for each query of an attention call: ends[i] = min(ns[i],
+// hi). Returns the furthest end (at least lo) and sets `shared_until` to where the queries'
+// common keys end (their slot's committed cache; unbounded for chains, Paths = false).
+template <bool Paths>
+inline int64_t block_ends(const int64_t* ns, const KeyMap& keys, int64_t nq, int64_t lo, int64_t hi, int64_t* ends,
+                          int64_t& shared_until) {
+  int64_t n_max = lo;
+  shared_until = INT64_MAX;
+  for (int64_t i = 0; i < nq; ++i) {
+    ends[i] = ns[i] < hi ? ns[i] : hi;
+    n_max = ends[i] > n_max ? ends[i] : n_max;
+    if constexpr (Paths) shared_until = keys.splits[i] < shared_until ? keys.splits[i] : shared_until;
+  }
+  return n_max;
+}
+
 // Whether the fused step takes a bfloat16 KV cache: AVX512-BF16 on an AVX512 kernel path.
 bool bf16_supported();
 

@@ -267,13 +267,8 @@ QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, 
                                      uint16_t* probs, int64_t stride, float* acc, __m512i* ops) {
   static_assert(C % 2 == 0 && C <= 8, "AMX attention: head_dim 32, 64, 96 or 128");
   constexpr int64_t d = 16 * C, np = 8 * C;
-  int64_t ends[kMaxGroupQueries];
-  int64_t n_max = lo, shared_until = std::numeric_limits<int64_t>::max();
-  for (int64_t i = 0; i < nq; ++i) {
-    ends[i] = std::min(ns[i], hi);
-    n_max = std::max(n_max, ends[i]);
-    if constexpr (Paths) shared_until = std::min(shared_until, keys.splits[i]);
-  }
+  int64_t ends[kMaxGroupQueries], shared_until;
+  const int64_t n_max = block_ends<Paths>(ns, keys, nq, lo, hi, ends, shared_until);
   const auto shared = [&](int64_t j0, int64_t len) { return !Paths || j0 + len <= shared_until; };
   // the shared chunks' operands, 16 keys a unit (prefill_operands' layout), to the end of
   // the last 32-key chunk (zeros past the step's keys)

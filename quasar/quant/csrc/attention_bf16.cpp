@@ -50,13 +50,8 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
   static_assert(C % 2 == 0, "bf16 attention needs head_dim % 32 == 0");
   constexpr int64_t d = 16 * C, np = 8 * C;  // floats, bf16 pairs of a head vector
   // this block's end for each query, and the end of the block's keys over all of them
-  int64_t ends[kMaxGroupQueries];
-  int64_t n_max = lo, shared_until = std::numeric_limits<int64_t>::max();
-  for (int64_t i = 0; i < nq; ++i) {
-    ends[i] = std::min(ns[i], hi);
-    n_max = std::max(n_max, ends[i]);
-    if constexpr (Paths) shared_until = std::min(shared_until, keys.splits[i]);
-  }
+  int64_t ends[kMaxGroupQueries], shared_until;
+  const int64_t n_max = block_ends<Paths>(ns, keys, nq, lo, hi, ends, shared_until);
   ns = ends;
   alignas(64) uint16_t qb[kMaxGroupQueries * d];
   for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
