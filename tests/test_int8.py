@@ -471,6 +471,8 @@ def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
     gen = torch.Generator().manual_seed(k)
     for n in (1, 7, 65, 193):
         w = _int8(gen, n, k)  # rows of -128 and 127
+        if n == 65:  # symmetric weights, as Quasar quantizes them: AVX2's shorter form
+            w.clamp_(min=-127)
         ws = torch.rand(n, 1, generator=gen) / 100
         bias = torch.randn(n, generator=gen)
         comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
@@ -649,14 +651,18 @@ def test_act15_is_much_closer_to_the_float_layer() -> None:
 
 
 def test_tile_layout_matches_its_definition(small_m) -> None:
-    """pack_tiles against the layout written out index by index (int8_gemm.h)."""
+    """pack_tiles against the layout written out index by index (int8_gemm.h), then the
+    footer whose first byte says the weights are symmetric (no -128)."""
     from quasar.quant import ext
 
     gen = torch.Generator().manual_seed(3)
-    for n, k in ((1, 1), (17, 5), (64, 8), (100, 131), (130, 4)):
-        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    for n, k, symmetric in ((1, 1, True), (17, 5, False), (64, 8, True), (100, 131, False), (130, 4, True)):
+        w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        if not symmetric:
+            w[n // 2, k // 2] = -128
         k4 = -(-k // 64) * 64  # columns padded to 64 (an AMX tile's row)
-        want = torch.zeros(-(-n // 16) * 16 * k4, dtype=torch.int8)
+        want = torch.zeros(-(-n // 16) * 16 * k4 + 64, dtype=torch.int8)
+        want[-64] = int(symmetric)
         for r in range(n):
             tile, i = divmod(r, 64)
             nv = (min(64, n - 64 * tile) + 15) // 16  # the tile's vectors of 16 rows

@@ -7,12 +7,17 @@
 //
 // AVX2 has no u8 x s8 dot product into int32 lanes. vpmaddubsw (u8 x s8 pairs into int16,
 // saturating) and vpmaddwd (int16 pairs into int32) make one, exact when no int16 pair
-// sum can exceed 32,767: the weight's magnitude goes in as the u8 operand (|w| <= 128) and
-// the activation, with the weight's sign moved onto it by vpsignb, as the s8 operand. The
-// activations are the quantizers' x + 128 bytes turned back into signed q in [-127, 127]
-// (8-bit rows, and both halves of a 15-bit split: see quantize_split), so a pair is at most
-// 2 * 128 * 127 = 32,512: nothing saturates and vpsignb never negates -128. These are exact
-// sums of q * w, not of (q + 128) * w: no comp to take off (tile_sums_offset is false).
+// sum can exceed 32,767. The activations are the quantizers' x + 128 bytes turned back into
+// signed q in [-127, 127] (8-bit rows, and both halves of a 15-bit split: see
+// quantize_split). Two forms, both exact:
+// - symmetric weights (all in [-127, 127], as Quasar quantizes them; tiles_symmetric): |q|
+//   as the u8 operand, w with q's sign moved onto it by vpsignb as the s8 one. |q| is one
+//   vpabsb per broadcast, shared by every weight, so a weight vector costs four
+//   instructions; a pair is at most 2 * 127 * 127 = 32,258.
+// - any int8 weights: |w| (<= 128) as the u8 operand and q with w's sign as the s8 one (q is
+//   never -128, so vpsignb cannot overflow); a pair is at most 2 * 128 * 127 = 32,512, and
+//   each weight vector costs a vpabsb more.
+// These are exact sums of q * w, not of (q + 128) * w: no comp to take off.
 // AVX-VNNI's 256-bit vpdpbusd multiplies the u8 bytes directly, as the AVX512 kernel does
 // (comp still to take off).
 #include "int8_gemm.h"
@@ -25,15 +30,23 @@
 namespace quasar {
 namespace {
 
+// How far ahead of its loads the one-row pass asks for weights, into L2. A 64-byte line
+// costs this kernel ~10 instructions (the AVX512 kernel's: two), so the out-of-order window
+// holds few lines in flight and the hardware prefetcher alone left a one-row 1.5B step at
+// 1.58x its streaming floor. With this (and the symmetric form) it is 1.39x, 0.5B shapes
+// 1.3-1.45x (scripts/step_rows.py, forced AVX2 on a Xeon). Into L1 (_MM_HINT_T0) was worse
+// (1.6x): its few fill buffers, not the distance, are the limit; 2 and 8 KiB were no better.
+constexpr int64_t kPrefetchBytes = 4096;
+
 inline int32_t load_u32(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-// R rows x NV vectors of one tile; 2 * R * NV accumulators + R broadcasts + 4 temporaries
+// R rows x NV vectors of one tile; 2 * R * NV accumulators + 2 R broadcasts + 3 temporaries
 // fit AVX2's 16 ymm registers for (R, NV) in (1, 1..4), (2, 1..2).
-template <int R, int NV>
+template <int R, int NV, bool kSymmetric>
 __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t,
                                                    int64_t group_bytes, int32_t* acc) {
   __m256i a[R][NV][2];
@@ -43,15 +56,26 @@ __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx
   const int64_t groups = (K + 3) / 4;
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = t + g * group_bytes;
-    __m256i xb[R];
-    for (int r = 0; r < R; ++r) xb[r] = _mm256_xor_si256(_mm256_set1_epi32(load_u32(x + r * ldx + 4 * g)), flip);
+    if (R == 1)  // the streaming pass: see kPrefetchBytes
+      for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
+    __m256i xb[R], xabs[R];
+    for (int r = 0; r < R; ++r) {
+      xb[r] = _mm256_xor_si256(_mm256_set1_epi32(load_u32(x + r * ldx + 4 * g)), flip);
+      if (kSymmetric) xabs[r] = _mm256_abs_epi8(xb[r]);
+    }
     for (int v = 0; v < NV; ++v)
       for (int h = 0; h < 2; ++h) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + v * 64 + h * 32));
-        const __m256i aw = _mm256_abs_epi8(w);
-        for (int r = 0; r < R; ++r)
-          a[r][v][h] = _mm256_add_epi32(
-              a[r][v][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb[r], w)), ones));
+        if (kSymmetric) {
+          for (int r = 0; r < R; ++r)
+            a[r][v][h] = _mm256_add_epi32(
+                a[r][v][h], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs[r], _mm256_sign_epi8(w, xb[r])), ones));
+        } else {
+          const __m256i wabs = _mm256_abs_epi8(w);
+          for (int r = 0; r < R; ++r)
+            a[r][v][h] = _mm256_add_epi32(
+                a[r][v][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xb[r], w)), ones));
+        }
       }
   }
   for (int r = 0; r < R; ++r)
@@ -71,6 +95,8 @@ __attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int
   const int64_t groups = (K + 3) / 4;
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = t + g * group_bytes;
+    if (R == 1)  // the streaming pass: see kPrefetchBytes
+      for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
     __m256i xb[R];
     for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_epi32(load_u32(x + r * ldx + 4 * g));
     for (int v = 0; v < NV; ++v)
@@ -93,28 +119,34 @@ using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t
 // group's cache lines with gaps, and the next pass fetched the rest from memory again: a
 // 2-row step cost twice a 1-row step at 1.5B). The other rows then pass over the tile while
 // it is in cache, two at a time over pairs of vectors, where a weight load serves both rows.
-template <PassFn (*Pick)(int, int)>
+template <PassFn (*Pick)(int, int, bool)>
 void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
-                   int32_t* acc) {
+                   int32_t* acc, bool symmetric) {
   const int64_t k4 = padded_k(K), group_bytes = stride * 64;
-  Pick(1, static_cast<int>(nv))(x, k4, K, t + v0 * 64, group_bytes, acc);
+  Pick(1, static_cast<int>(nv), symmetric)(x, k4, K, t + v0 * 64, group_bytes, acc);
   for (int64_t vc = 0; vc < nv; vc += 2) {
     const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
     for (int64_t r0 = 1; r0 < M; r0 += 2) {
       const int rows = M - r0 < 2 ? 1 : 2;
-      Pick(rows, nvc)(x + r0 * k4, k4, K, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16);
+      Pick(rows, nvc, symmetric)(x + r0 * k4, k4, K, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16);
     }
   }
 }
 
-PassFn pick_avx2(int rows, int nv) {
-  static constexpr PassFn kOne[4] = {pass_avx2<1, 1>, pass_avx2<1, 2>, pass_avx2<1, 3>, pass_avx2<1, 4>};
-  static constexpr PassFn kTwo[2] = {pass_avx2<2, 1>, pass_avx2<2, 2>};
+template <bool kSymmetric>
+PassFn pick_avx2_form(int rows, int nv) {
+  static constexpr PassFn kOne[4] = {pass_avx2<1, 1, kSymmetric>, pass_avx2<1, 2, kSymmetric>,
+                                     pass_avx2<1, 3, kSymmetric>, pass_avx2<1, 4, kSymmetric>};
+  static constexpr PassFn kTwo[2] = {pass_avx2<2, 1, kSymmetric>, pass_avx2<2, 2, kSymmetric>};
   return rows == 1 ? kOne[nv - 1] : kTwo[nv - 1];
 }
 
+PassFn pick_avx2(int rows, int nv, bool symmetric) {
+  return symmetric ? pick_avx2_form<true>(rows, nv) : pick_avx2_form<false>(rows, nv);
+}
+
 #ifdef QUASAR_AVX_VNNI_KERNEL
-PassFn pick_avx_vnni(int rows, int nv) {
+PassFn pick_avx_vnni(int rows, int nv, bool) {  // u8 x s8 products: any int8 weight
   static constexpr PassFn kOne[4] = {pass_avx_vnni<1, 1>, pass_avx_vnni<1, 2>, pass_avx_vnni<1, 3>,
                                      pass_avx_vnni<1, 4>};
   static constexpr PassFn kTwo[2] = {pass_avx_vnni<2, 1>, pass_avx_vnni<2, 2>};
@@ -125,14 +157,14 @@ PassFn pick_avx_vnni(int rows, int nv) {
 }  // namespace
 
 void tile_rows_avx2(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
-                    int32_t* acc) {
-  tile_rows_256<pick_avx2>(x, M, K, t, stride, v0, nv, acc);
+                    int32_t* acc, bool symmetric) {
+  tile_rows_256<pick_avx2>(x, M, K, t, stride, v0, nv, acc, symmetric);
 }
 
 void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
                         int64_t nv, int32_t* acc) {
 #ifdef QUASAR_AVX_VNNI_KERNEL
-  tile_rows_256<pick_avx_vnni>(x, M, K, t, stride, v0, nv, acc);
+  tile_rows_256<pick_avx_vnni>(x, M, K, t, stride, v0, nv, acc, false);
 #else
   (void)x, (void)M, (void)K, (void)t, (void)stride, (void)v0, (void)nv, (void)acc;
   __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
@@ -144,7 +176,7 @@ void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t,
 #else  // not x86: these paths never run (cpu_runs is false), but the library links
 
 namespace quasar {
-void tile_rows_avx2(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*) {
+void tile_rows_avx2(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*, bool) {
   __builtin_trap();
 }
 void tile_rows_avx_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*) {

@@ -14,15 +14,22 @@ constexpr int64_t kTile = 64;
 // activations (the padding zero weights): VNNI reads 4 columns at a time, an AMX tile 64.
 inline int64_t padded_k(int64_t k) { return (k + 63) / 64 * 64; }
 
-// Bytes of an int8 weight [n, K] packed in tiles: rows padded to 16, columns to 64.
-inline int64_t tiled_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * padded_k(k); }
+// Bytes of an int8 weight [n, K] packed in tiles (rows padded to 16, columns to 64), then
+// a footer of kTileFooter bytes: its first is 1 when every weight is in [-127, 127], as
+// Quasar's quantizers make them (a foreign checkpoint may hold -128), which lets the AVX2
+// kernel take a shorter form (gemm_avx2.cpp).
+constexpr int64_t kTileFooter = 64;
+inline int64_t tiled_bytes(int64_t n, int64_t k) { return (n + 15) / 16 * 16 * padded_k(k) + kTileFooter; }
+inline bool tiles_symmetric(const int8_t* tiles, int64_t n, int64_t k) {
+  return tiles[tiled_bytes(n, k) - kTileFooter] != 0;
+}
 
 // w [n, K] int8 (row-major) -> out [tiled_bytes(n, K)], the small-M GEMM's layout: rows in
 // tiles of 64 (the last may hold fewer); within a tile, K in groups of 4 columns; group g of
 // tile t is nv * 64 bytes, nv = the tile's vectors of 16 rows, byte [v][i][j] = w[64 t + 16 v
 // + i][4 g + j], so one 64-byte load is 16 rows' next four weights (vpdpbusd's operand) and a
 // tile is read as one sequential stream. Tile t starts at byte 64 t * K4 (K4 = padded_k(K));
-// rows past n and columns past K are zero.
+// rows past n and columns past K are zero. The footer follows (tiled_bytes).
 void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out);
 
 // One weight matrix of a small-M GEMM: tiles = the int8 weight [n, K] in pack_tiles' layout,
@@ -46,9 +53,9 @@ bool amx_enabled();
 // the M rows of x (uint8 q + 128, rows of padded_k(K) bytes, |q| <= 127), into
 // acc[r * kTile + c] for c < 16 nv. tile_rows_avx2 and tile_rows_portable give the exact
 // sums of q * w; tile_rows_avx_vnni (u8 x s8 like the AVX512 kernel) those of (q + 128) * w,
-// comp still to take off.
+// comp still to take off. symmetric: no weight of the tile is -128 (tiles_symmetric).
 void tile_rows_avx2(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
-                    int32_t* acc);
+                    int32_t* acc, bool symmetric);
 void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
                         int64_t nv, int32_t* acc);
 void tile_rows_portable(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,

@@ -559,6 +559,7 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
   // The tile configuration is per thread, and other code (oneDNN) may change it between
   // calls: set it here, release the tiles at the end.
   int64_t configured = 0;
+  bool symmetric = false;  // the segment's weights are in [-127, 127] (for the AVX2 kernel)
   const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t stride, int64_t va, int64_t nv, int32_t* a) {
     switch (path) {
       case KernelPath::kAmx:
@@ -570,7 +571,7 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
         return tile_rows(xr, M, K, tile, stride, va, nv, a);
 #endif
       case KernelPath::kAvxVnni: return quasar::tile_rows_avx_vnni(xr, M, K, tile, stride, va, nv, a);
-      case KernelPath::kAvx2: return quasar::tile_rows_avx2(xr, M, K, tile, stride, va, nv, a);
+      case KernelPath::kAvx2: return quasar::tile_rows_avx2(xr, M, K, tile, stride, va, nv, a, symmetric);
       case KernelPath::kPortable: return quasar::tile_rows_portable(xr, M, K, tile, stride, va, nv, a);
     }
   };
@@ -584,6 +585,7 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
     const int64_t n_len = std::min(seg.n - n0, kChunk), stride = (n_len + 15) / 16;  // the tile's vectors
     const int64_t va = in_seg % kTileVectors, vb = std::min(stride, va + (v1 - v));  // [va, vb) of them
     const int8_t* tile = seg.tiles + n0 * k4;
+    symmetric = quasar::tiles_symmetric(seg.tiles, seg.n, K);
     sums(g.xu, tile, stride, va, vb - va, acc);
     if (kSplit) sums(g.xlo, tile, stride, va, vb - va, acc_lo);
     finish(acc, acc_lo, wide, M, std::min(n_len, 16 * vb) - 16 * va, seg, n0 + 16 * va, g.sx, g.y, g.y_stride,
@@ -613,6 +615,9 @@ void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
       }
     }
   });
+  int8_t* footer = out + tiled_bytes(n, k) - kTileFooter;
+  std::memset(footer, 0, kTileFooter);
+  footer[0] = std::find(w, w + n * k, int8_t{-128}) == w + n * k;
 }
 
 SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int64_t K_, const Int8Segment* segs_,
