@@ -102,27 +102,30 @@ def compare_logits(reference: LogitsFn, candidates: dict[str, LogitsFn], token_i
         spans = spans[: max(1, int(limit))]
     tallies = {name: _Tally() for name in candidates}
     n_ref, nll_ref, seconds_ref = 0, 0.0, 0.0
-    for start, end, first in tqdm(spans, desc="fidelity", unit="window", file=sys.stderr, disable=not progress,
-                                  leave=False):
-        # position i predicts token i + 1: the targets ids[first:end] are predicted by the
-        # window's rows first - 1 - start .. end - 2 - start
-        rows = slice(first - 1 - start, end - 1 - start)
-        t0 = time.perf_counter()
-        ref = reference(ids[start:end])[rows].float()
-        seconds_ref += time.perf_counter() - t0
-        # log_softmax copies: a model's output buffer may be reused by the next call
-        ref_logp, ref_top = F.log_softmax(ref, -1), ref.argmax(-1)
-        target = torch.tensor(ids[first:end], device=ref.device)
-        nll_ref -= float(ref_logp.gather(1, target[:, None]).sum())
-        n_ref += target.numel()
-        for name, logits_of in candidates.items():
+    with tqdm(total=len(spans) * (1 + len(candidates)), desc="fidelity", unit="forward", file=sys.stderr,
+              disable=not progress, leave=False) as bar:
+        for start, end, first in spans:
+            # position i predicts token i + 1: the targets ids[first:end] are predicted by the
+            # window's rows first - 1 - start .. end - 2 - start
+            rows = slice(first - 1 - start, end - 1 - start)
             t0 = time.perf_counter()
-            logits = logits_of(ids[start:end])[rows]
-            seconds = time.perf_counter() - t0
-            if logits.shape != ref.shape:
-                raise QuasarError(f"fidelity: {name} gave logits of shape {tuple(logits.shape)}, the reference "
-                                  f"{tuple(ref.shape)} (a different vocabulary?)")
-            tallies[name].add(ref_logp, ref_top, logits.to(ref.device).float(), target, seconds)
+            ref = reference(ids[start:end])[rows].float()
+            seconds_ref += time.perf_counter() - t0
+            bar.update(1)
+            # log_softmax copies: a model's output buffer may be reused by the next call
+            ref_logp, ref_top = F.log_softmax(ref, -1), ref.argmax(-1)
+            target = torch.tensor(ids[first:end], device=ref.device)
+            nll_ref -= float(ref_logp.gather(1, target[:, None]).sum())
+            n_ref += target.numel()
+            for name, logits_of in candidates.items():
+                t0 = time.perf_counter()
+                logits = logits_of(ids[start:end])[rows]
+                seconds = time.perf_counter() - t0
+                bar.update(1)
+                if logits.shape != ref.shape:
+                    raise QuasarError(f"fidelity: {name} gave logits of shape {tuple(logits.shape)}, the "
+                                      f"reference {tuple(ref.shape)} (a different vocabulary?)")
+                tallies[name].add(ref_logp, ref_top, logits.to(ref.device).float(), target, seconds)
     ppl_ref = math.exp(nll_ref / n_ref)
     return {name: {
         "top1_agreement": t.agree / t.n,
