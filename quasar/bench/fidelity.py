@@ -58,39 +58,51 @@ def _open_scorers(stack: ExitStack, models: dict[str, FidelitySource], window: i
     return scorers, failed
 
 
-def measure_fidelity(engines: list[Contender], llm, tokens: int = DEFAULT_FIDELITY_TOKENS,
-                     progress: bool = False) -> dict:
-    """results.json's "fidelity": the run's settings and, per engine, its model's figures
-    ({"reference": true} for the float model, {"unavailable": why} where not measured)."""
-    out: dict = {"text": TEXT, "tokens_requested": tokens, "engines": {}}
-    if tokens == 0:
-        out["skipped"] = "--fidelity-tokens 0"
-        return out
-    if llm.loaded.quantized:
-        out["skipped"] = "a W8A8 checkpoint has no float model to compare with"
-        return out
+def _score(models: dict[str, FidelitySource], llm, tokens: int, progress: bool) -> tuple[dict, dict, dict]:
+    """Every model against the float one: ({key: metrics}, {key: why not}, the run's figures)."""
     ids = llm.tokenizer.encode(fidelity_text())[: tokens + 1]
     window = min(DEFAULT_WINDOW, llm.max_context, llm.config.max_position_embeddings)
-    sources, why = _sources(engines)
-    models = {s.key: s for s in sources.values() if s is not None and s.scorer is not None}
     with ExitStack() as stack:
         reference = stack.enter_context(model_logits(llm.model, window))
         vocab = reference(ids[:2]).shape[-1]
         scorers, failed = _open_scorers(stack, models, window, ids[:2], vocab)
         scores = compare_logits(reference, scorers, ids, window, progress=progress) if scorers else {}
-    some = next(iter(scores.values()), None)
-    if some is not None:
-        out.update({k: some[k] for k in ("tokens", "window", "windows", "ppl_fp")})
-        out["seconds"] = round(some["seconds_fp"] + sum(s["seconds"] for s in scores.values()), 2)
-    for name, src in sources.items():
-        if name in why:
-            out["engines"][name] = {"unavailable": why[name]}
-        elif src.scorer is None:
-            out["engines"][name] = {"reference": True}
-        elif src.key in failed:
-            out["engines"][name] = {"model": src.key, "unavailable": failed[src.key]}
-        else:
-            out["engines"][name] = {"model": src.key, **{k: scores[src.key][k] for k in METRICS}}
+    if not scores:
+        return scores, failed, {"skipped": "no model could be scored"}
+    some = next(iter(scores.values()))
+    run = {k: some[k] for k in ("tokens", "window", "windows", "ppl_fp")}
+    run["seconds"] = round(some["seconds_fp"] + sum(s["seconds"] for s in scores.values()), 2)
+    return scores, failed, run
+
+
+def _engine_record(src: FidelitySource | None, why: str | None, scores: dict, failed: dict) -> dict:
+    if why is not None:
+        return {"unavailable": why}
+    if src.scorer is None:
+        return {"reference": True}
+    if src.key in failed:
+        return {"model": src.key, "unavailable": failed[src.key]}
+    return {"model": src.key, **{k: scores[src.key][k] for k in METRICS}}
+
+
+def measure_fidelity(engines: list[Contender], llm, tokens: int = DEFAULT_FIDELITY_TOKENS,
+                     progress: bool = False) -> dict:
+    """results.json's "fidelity": the run's figures and, per engine, its model's
+    ({"reference": true} for the float model, {"unavailable": why} where not measured)."""
+    out: dict = {"text": TEXT, "tokens_requested": tokens, "engines": {}}
+    if tokens == 0:
+        return {**out, "skipped": "--fidelity-tokens 0"}
+    if llm.loaded.quantized:
+        return {**out, "skipped": "a W8A8 checkpoint has no float model to compare with"}
+    sources, why = _sources(engines)
+    models = {s.key: s for s in sources.values() if s is not None and s.scorer is not None}
+    scores, failed = {}, {}
+    if models:
+        scores, failed, run = _score(models, llm, tokens, progress)
+        out.update(run)
+    else:
+        out["skipped"] = "every engine decodes the float model"
+    out["engines"] = {name: _engine_record(src, why.get(name), scores, failed) for name, src in sources.items()}
     return out
 
 
