@@ -50,7 +50,7 @@ class FidelitySource:
     ids (an eval.fidelity LogitsFn over up to `window` ids). No scorer: the float model itself,
     the reference every other model is measured against."""
     key: str
-    scorer: Callable[[int], ContextManager] | None = None
+    scorer: Callable[[int], ContextManager] | None = field(default=None, compare=False)  # equal by key
 
 
 FLOAT_MODEL = FidelitySource("float model")  # ar-fp, ngram-fp, transformers
