@@ -66,18 +66,22 @@ def model_logits(model, window: int) -> Iterator[LogitsFn]:
 class _Tally:
     """Running sums of one model's agreement with the reference, window by window."""
 
+    ROWS = 64  # rows per step: whole-vocabulary temporaries of a full window would set the peak memory
+
     def __init__(self):
         self.n = self.agree = 0
         self.kl_sum = self.kl_max = self.nll = self.seconds = 0.0
 
     def add(self, ref_logp: torch.Tensor, ref_top: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
             seconds: float) -> None:
-        logp = F.log_softmax(logits, -1)
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0)
-        self.agree += int((ref_top == logits.argmax(-1)).sum())
-        self.kl_sum += float(kl.sum())
-        self.kl_max = max(self.kl_max, float(kl.max()))
-        self.nll -= float(logp.gather(1, target[:, None]).sum())
+        for i in range(0, target.numel(), self.ROWS):
+            rows = slice(i, i + self.ROWS)
+            logp = F.log_softmax(logits[rows], -1)
+            kl = (ref_logp[rows].exp() * (ref_logp[rows] - logp)).sum(-1).clamp_min(0)
+            self.agree += int((ref_top[rows] == logits[rows].argmax(-1)).sum())
+            self.kl_sum += float(kl.sum())
+            self.kl_max = max(self.kl_max, float(kl.max()))
+            self.nll -= float(logp.gather(1, target[rows, None]).sum())
         self.n += target.numel()
         self.seconds += seconds
 
