@@ -381,22 +381,16 @@ def test_matched_quality_pairs_each_verifier_with_the_peers_of_its_precision():
                      "mode_fidelity": {"top1_agreement": 0.97, "kl_mean": 0.01}, "peer_fidelity": None}]
 
 
-def _llamacpp_and_default_gguf():
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (scripts/install_llamacpp.sh)")
-    from quasar.bench.peers import llamacpp_logits
-
-    return llamacpp_logits, default_model_path()
-
-
 def test_llamacpp_logits_compared_with_themselves():
     """The default GGUF's llama.cpp logits against themselves, through the bench's code path:
     full agreement, no divergence; each window starts from an empty cache (a second call on
     the same window would otherwise see the first one's tokens as context)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (scripts/install_llamacpp.sh)")
+    from quasar.bench.peers import llamacpp_logits
     from quasar.eval.fidelity import compare_logits
 
-    llamacpp_logits, gguf = _llamacpp_and_default_gguf()
     ids = list(range(300, 500, 2))  # 100 ids: four windows of up to 48
-    with llamacpp_logits(gguf, 48, threads=1) as logits:
+    with llamacpp_logits(default_model_path(), 48, threads=1) as logits:
         assert tuple(logits(ids[:5]).shape) == (5, 49152)
         same = compare_logits(logits, {"self": logits}, ids, window=48)["self"]
     assert same["top1_agreement"] == 1.0 and same["kl_mean"] < 1e-6 and same["tokens"] == 99
