@@ -58,8 +58,8 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and engine; the median is kept")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run of each engine")
     p.add_argument("--fidelity-tokens", type=int, default=FIDELITY_TOKENS, metavar="N",
-                   help="score each engine's model against the float model (top-1 agreement, KL) on N tokens of "
-                        f"held-out text, once per model (default {FIDELITY_TOKENS}; 0: skip)")
+                   help="score each engine's model against the float model (top-1 agreement, KL) on the first N "
+                        f"tokens of held-out text, once per model (default {FIDELITY_TOKENS}; 0: skip)")
     add_draft_args(p)
     p.add_argument("--bandwidth-gb", type=float, default=2.0,
                    help="GiB read to measure memory bandwidth (keep it far above the L3 cache)")

@@ -110,6 +110,8 @@ class BenchConfig:
                                  ("--fidelity-tokens", self.fidelity_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise QuasarError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.fidelity_tokens == 1:  # one token predicts nothing
+            raise QuasarError("--fidelity-tokens must be 0 (skip) or at least 2, got 1")
         return self
 
 
