@@ -145,8 +145,8 @@ def matched_quality_lines(results: dict) -> list[str]:
 def _fidelity_setup(fid: dict) -> str:
     if "skipped" in fid or "tokens" not in fid:
         return f"- Fidelity vs the float model: not measured ({fid.get('skipped', 'no model to score')})"
-    return (f"- Fidelity vs the float model: {fid['tokens']} next-token predictions on {fid['text']} "
-            f"({fid['windows']} windows of {fid['window']}), float perplexity {fid['ppl_fp']:.2f}; {fid['seconds']:.0f} s")
+    return (f"- Fidelity vs the float model: {fid['tokens']} next-token predictions in {fid['windows']} windows of "
+            f"{fid['window']} tokens of the {fid['text']}; float perplexity {fid['ppl_fp']:.2f}; {fid['seconds']:.0f} s")
 
 
 def _resources(results: dict) -> str:
