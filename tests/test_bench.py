@@ -1,10 +1,12 @@
 """`quasar bench` on a tiny model: runs end to end, JSON and report agree, bad inputs fail
-clearly. One torch thread and a small bandwidth buffer keep it quick on a busy 2-core box."""
+clearly. One torch thread, a small bandwidth buffer and a short fidelity text keep it quick
+on a busy 2-core box."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 
 import pytest
@@ -13,7 +15,9 @@ from quasar.cli import main
 from quasar.defaults import DEFAULT_DRAFT_BUDGET
 from quasar.data.packages import default_model_path
 
-FAST = ["--threads", "1", "--max-new-tokens", "8", "--bandwidth-gb", "0.0625", "--no-progress"]
+FIDELITY_TOKENS = 128
+FAST = ["--threads", "1", "--max-new-tokens", "8", "--bandwidth-gb", "0.0625", "--no-progress",
+        "--fidelity-tokens", str(FIDELITY_TOKENS)]
 
 
 def _run_json(capsys, argv: list[str]) -> dict:
@@ -51,6 +55,26 @@ def _check_consistent(section: dict, rows: dict[str, dict[str, str]]) -> None:
             shown = float(row["speedup vs ar-fp"].rstrip("x"))
             assert shown == pytest.approx(tps / base_tps, rel=0.01, abs=0.011)
             assert float(row["acceptance length"]) == pytest.approx(m["mean_accepted"], abs=0.006)
+
+
+def _check_fidelity(res: dict, md: str) -> None:
+    """Every engine that ran has a fidelity record, measured ones on the same tokens, and the
+    report's Overall table shows them."""
+    fid = res["fidelity"]
+    assert set(fid["engines"]) == set(res["modes"]) | set(res["peers"])
+    assert fid["tokens_requested"] == FIDELITY_TOKENS
+    rows = _report_rows(md, "Overall")
+    for name, rec in fid["engines"].items():
+        if rec.get("reference"):
+            assert rows[name]["top-1 vs fp"] == rows[name]["KL vs fp"] == "reference"
+        elif "top1_agreement" in rec:
+            assert rec["tokens"] == fid["tokens"] == FIDELITY_TOKENS - 1  # predictions; the text is far longer
+            assert 0.0 <= rec["top1_agreement"] <= 1.0 and math.isfinite(rec["kl_mean"]) and rec["kl_mean"] >= 0
+            # (results.json rounds to 6 decimals, the report formats the unrounded figure)
+            assert float(rows[name]["top-1 vs fp"].rstrip("%")) == pytest.approx(100 * rec["top1_agreement"], abs=0.051)
+            assert float(rows[name]["KL vs fp"]) == pytest.approx(rec["kl_mean"], rel=0.01, abs=1e-6)
+        else:
+            assert rows[name]["top-1 vs fp"] == "–" and rec["unavailable"]
 
 
 def test_bench_end_to_end(tiny_model, tmp_path, capsys):
@@ -95,6 +119,16 @@ def test_bench_end_to_end(tiny_model, tmp_path, capsys):
         _check_consistent(section, _report_rows(md, f"Task: {task}"))
     assert _report_rows(md, "Overall")["ar-fp"]["acceptance length"] == "1.00"
     assert "llamacpp" in md.split("## Not measured", 1)[1]
+    _check_fidelity(res, md)
+    fid = res["fidelity"]["engines"]
+    for name in ("ar-fp", "ngram-fp", "hf", "hf-pld"):  # the float model itself
+        assert fid[name] == {"reference": True}
+    # the negative control's verifier is scored like any other model; of two layers it keeps both
+    # (first and last), so here it is the float model itself through the same code path
+    pruned = fid["ngram-pruned"]
+    assert pruned["model"] == "verifier pruned:0.5" and pruned["top1_agreement"] == 1.0 and pruned["kl_mean"] < 1e-9
+    assert "llamacpp" not in fid  # it did not run
+    assert res["matched_quality"] == []  # no W8A8 mode, no peer of its precision
     if importlib.util.find_spec("matplotlib"):
         for png in ("speedup.png", "acceptance.png"):
             assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -109,7 +143,10 @@ def test_bench_prompt_file_categories(tiny_model, tmp_path, capsys):
         {"turns": ["Count to three.", "Now to four."]},
     ]) + "\n")
     res = _run_json(capsys, ["--model", str(tiny_model("qwen2")), "--prompts", str(prompts), "--repeats", "1",
-                             "--modes", "ngram-fp", "--peers", "none", "--out", str(tmp_path / "o"), *FAST])
+                             "--modes", "ngram-fp", "--peers", "none", "--out", str(tmp_path / "o"), *FAST,
+                             "--fidelity-tokens", "0"])
+    assert res["fidelity"]["skipped"] == "--fidelity-tokens 0" and res["fidelity"]["engines"] == {}
+    assert "Fidelity vs the float model: not measured (--fidelity-tokens 0)" in (tmp_path / "o" / "report.md").read_text()
     assert set(res["tasks"]) == {"code", "greet", "custom"}
     assert set(res["modes"]) == {"ar-fp", "ngram-fp"}  # the baseline is always run
     assert res["peers"] == {}
@@ -131,6 +168,11 @@ def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
     base = res["modes"]["ar-fp"]["tokens_per_s"]
     assert res["modes"]["quasar"]["speedup_vs_ar_fp"] == pytest.approx(res["modes"]["quasar"]["tokens_per_s"] / base,
                                                                        rel=1e-4)
+    # one verifier, one figure: the three W8A8 modes share it
+    fid = res["fidelity"]["engines"]
+    assert fid["ar-w8a8"] == fid["quasar"] == fid["quasar-tree"] and fid["quasar"]["model"] == "verifier w8a8"
+    assert 0.5 < fid["quasar"]["top1_agreement"] <= 1.0
+    _check_fidelity(res, (tmp_path / "o" / "report.md").read_text())
 
 
 @pytest.mark.parametrize("content, match", [
@@ -303,8 +345,73 @@ def test_bench_on_a_w8a8_checkpoint(tiny_char_model, tmp_path, capsys):
     assert res["modes"]["quasar"]["tokens_per_s"] > 0
     md = (tmp_path / "o" / "report.md").read_text()
     assert "speedup.png" not in md
+    assert "no float model" in res["fidelity"]["skipped"] and res["fidelity"]["engines"] == {}
 
 
 def test_bench_gguf_must_be_a_gguf_file(tmp_path, capsys):
     assert main(["bench", "--gguf", str(tmp_path / "missing.gguf"), "--peers", "none", *FAST]) == 2
     assert "--gguf" in capsys.readouterr().err
+
+
+def test_bench_fidelity_tokens_must_be_0_or_at_least_2(capsys):
+    for bad, message in (("-1", "must be an integer >= 0"), ("1", "must be 0 (skip) or at least 2")):
+        assert main(["bench", "--peers", "none", *FAST, "--fidelity-tokens", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --fidelity-tokens {message}") and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- fidelity
+
+
+def test_matched_quality_pairs_each_verifier_with_the_peers_of_its_precision():
+    from quasar.bench.fidelity import matched_quality
+    from quasar.bench.runner import MODES
+
+    overall = {"modes": {"ar-fp": {"tokens_per_s": 10.0}, "ar-w8a8": {"tokens_per_s": 40.0},
+                         "quasar": {"tokens_per_s": 60.0}, "quasar-tree": {"tokens_per_s": 80.0}},
+               "peers": {"llamacpp": {"tokens_per_s": 50.0}, "llamacpp-q8": {"tokens_per_s": 20.0},
+                         "llamacpp-pld-q8": {"tokens_per_s": 25.0}}}
+    w8a8 = {"model": "verifier w8a8", "top1_agreement": 0.97, "kl_mean": 0.01}
+    fidelity = {"engines": {"ar-fp": {"reference": True}, "ar-w8a8": w8a8, "quasar": w8a8, "quasar-tree": w8a8,
+                            "llamacpp": {"model": "gguf a", "top1_agreement": 0.9, "kl_mean": 0.1},
+                            "llamacpp-q8": {"model": "gguf b", "unavailable": "ValueError: no"},
+                            "llamacpp-pld-q8": {"model": "gguf b", "unavailable": "ValueError: no"}}}
+    rows = matched_quality(overall, fidelity, MODES)
+    # W8A8's fastest drafting mode against the fastest engine on the Q8_0 copy; no OpenVINO ran,
+    # and no mode decodes with a 4-bit verifier, so nothing pairs with the model's own Q4 file
+    assert rows == [{"verifier": "w8a8", "mode": "quasar-tree", "peer": "llamacpp-pld-q8",
+                     "peer_model": "llama.cpp Q8_0 copy", "tokens_per_s_ratio": 80.0 / 25.0,
+                     "mode_fidelity": {"top1_agreement": 0.97, "kl_mean": 0.01}, "peer_fidelity": None}]
+
+
+def test_llamacpp_logits_compared_with_themselves():
+    """The default GGUF's llama.cpp logits against themselves, through the bench's code path:
+    full agreement, no divergence; each window starts from an empty cache (a second call on
+    the same window would otherwise see the first one's tokens as context)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (scripts/install_llamacpp.sh)")
+    from quasar.bench.peers import llamacpp_logits
+    from quasar.eval.fidelity import compare_logits
+
+    ids = list(range(300, 500, 2))  # 100 ids: four windows of up to 48
+    with llamacpp_logits(default_model_path(), 48, threads=1) as logits:
+        assert tuple(logits(ids[:5]).shape) == (5, 49152)
+        same = compare_logits(logits, {"self": logits}, ids, window=48)["self"]
+    assert same["top1_agreement"] == 1.0 and same["kl_mean"] < 1e-6 and same["tokens"] == 99
+    assert same["windows"] == 4 and same["ppl"] == same["ppl_fp"]
+
+
+@pytest.mark.slow
+def test_bench_fidelity_of_llamacpp_on_the_default_model(tmp_path, capsys):
+    """The default model's own GGUF and its Q8_0 copy, scored from llama.cpp's logits against
+    the float model on the same held-out ids; the -pld peer shares its file's figure."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (scripts/install_llamacpp.sh)")
+    res = _run_json(capsys, ["--model", "default", "--tasks", "code", "--n", "1", "--repeats", "1", "--modes", "ar-fp",
+                             "--peers", "llamacpp,llamacpp-pld,llamacpp-q8", "--out", str(tmp_path / "o"), *FAST])
+    assert res["unavailable"] == {}
+    _check_fidelity(res, (tmp_path / "o" / "report.md").read_text())
+    fid = res["fidelity"]["engines"]
+    own, q8 = fid["llamacpp"], fid["llamacpp-q8"]
+    assert fid["llamacpp-pld"] == own and own["model"] == f"gguf {default_model_path()}"
+    assert q8["model"] != own["model"] and q8["model"].endswith(".Q8_0.gguf")
+    for rec in (own, q8):
+        assert 0.5 < rec["top1_agreement"] <= 1.0 and math.isfinite(rec["kl_mean"]) and rec["kl_mean"] >= 0

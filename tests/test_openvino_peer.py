@@ -137,6 +137,21 @@ def test_openvino_peers_end_to_end(tiny_model, monkeypatch):
     info = ar.info()
     assert info["threads"] == 1 and info["versions"]["openvino_genai"] and info["inference_precision"] == "f32"
 
+    # fidelity: the IR's logits through OpenVINO's runtime, on the float model's ids
+    from contextlib import ExitStack
+
+    from quasar.eval.fidelity import compare_logits, model_logits
+
+    assert ar.fidelity_source() == pld.fidelity_source()  # one IR, one figure
+    ids = prompt + list(want)
+    with ExitStack() as stack:
+        ir = stack.enter_context(ar.fidelity_source().scorer(32))
+        fp = stack.enter_context(model_logits(llm.model, 32))
+        int8 = compare_logits(fp, {"int8": ir}, ids, window=32)["int8"]
+        same = compare_logits(ir, {"self": ir}, ids, window=32)["self"]  # each window from an empty state
+    assert same["top1_agreement"] == 1.0 and same["kl_mean"] < 1e-6
+    assert 0.5 < int8["top1_agreement"] <= 1.0 and int8["kl_mean"] >= 0
+
 
 @needs_openvino
 @pytest.mark.slow

@@ -12,6 +12,7 @@ MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "quasar-tree", "ngram-pr
 PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8",
               "openvino", "openvino-pld")
 TASK_NAMES = ("code", "summarization", "qa", "math", "chat")
+FIDELITY_TOKENS = 1024  # bench.fidelity.DEFAULT_FIDELITY_TOKENS (not imported here: that loads torch)
 
 
 def _names(value: str, choices: tuple[str, ...], what: str, allow_none: bool) -> list[str]:
@@ -56,6 +57,9 @@ def register(sub) -> None:
                         "(default: --model itself when it is a GGUF file or the default model)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and engine; the median is kept")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run of each engine")
+    p.add_argument("--fidelity-tokens", type=int, default=FIDELITY_TOKENS, metavar="N",
+                   help="score each engine's model against the float model (top-1 agreement, KL) on the first N "
+                        f"tokens of held-out text, once per model (default {FIDELITY_TOKENS}; 0: skip)")
     add_draft_args(p)
     p.add_argument("--bandwidth-gb", type=float, default=2.0,
                    help="GiB read to measure memory bandwidth (keep it far above the L3 cache)")
@@ -75,7 +79,7 @@ def run_bench_command(args) -> int:
         model=args.model, dtype=args.dtype, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
         n=args.n, max_new_tokens=args.max_new_tokens, modes=args.modes, peers=args.peers, repeats=args.repeats,
         warmup=args.warmup, num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-        draft_budget=args.draft_budget, gguf=args.gguf,
+        draft_budget=args.draft_budget, gguf=args.gguf, fidelity_tokens=args.fidelity_tokens,
         bandwidth_bytes=int(args.bandwidth_gb * 2**30), progress=args.progress,
         command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
     )

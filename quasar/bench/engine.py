@@ -12,6 +12,9 @@ time those steps took, prefill excluded.
 A verifier "step" is one forward after prefill (forward calls are counted), and the
 tokens a step emits feed the acceptance-length histogram.
 
+For the fidelity column each engine also names the model it decodes (`FidelitySource`), so
+engines on the same model share one measurement (quasar.bench.fidelity).
+
 The engines themselves live beside it (Quasar's modes in `runner`, the peers in `peers`
 and `openvino`); they all import this leaf, so none of them needs another.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable, ContextManager
 
 
 class Unavailable(Exception):
@@ -39,6 +43,19 @@ class RunResult:
     hist: Counter = field(default_factory=Counter)  # tokens emitted per step -> steps
 
 
+@dataclass(frozen=True)
+class FidelitySource:
+    """The model an engine decodes. `key` names it (engines with the same key share one
+    measurement); `scorer(window)` is a context manager giving that model's logits for token
+    ids (an eval.fidelity LogitsFn over up to `window` ids). No scorer: the float model itself,
+    the reference every other model is measured against."""
+    key: str
+    scorer: Callable[[int], ContextManager] | None = field(default=None, compare=False)  # equal by key
+
+
+FLOAT_MODEL = FidelitySource("float model")  # ar-fp, ngram-fp, transformers
+
+
 class Contender:
     name: str = ""
     kind: str = "peer"  # "mode" (Quasar) or "peer"
@@ -54,6 +71,10 @@ class Contender:
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         raise NotImplementedError
+
+    def fidelity_source(self) -> FidelitySource | None:
+        """The model this engine decodes, once prepared; None: no logits to measure it by."""
+        return None
 
     def info(self) -> dict:
         return {"kind": self.kind, "description": self.description, "weights": self.weights,

@@ -24,6 +24,10 @@ yields the first token): prefill = time to first token, decode = generate durati
 to first token, rate tokens = new tokens − 1. `raw_metrics.m_batch_sizes` holds the tokens
 each forward of the model emitted, the first entry being prefill's, so the steps and the
 acceptance histogram are read from it.
+
+Fidelity: GenAI's pipeline returns no logits, so the bench scores the same IR with
+OpenVINO's runtime (`openvino_logits`: a compiled stateful model, the same threads and CPU
+properties, its state reset before each window).
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
-from quasar.bench.engine import Contender, RunResult, Unavailable
+from quasar.bench.engine import Contender, FidelitySource, RunResult, Unavailable
 from quasar.paths import cache_dir
 
 OPENVINO_PEERS = ("openvino", "openvino-pld")
@@ -191,6 +196,34 @@ def _import_genai():
     return openvino_genai
 
 
+@contextmanager
+def openvino_logits(xml_path: Path, threads: int, properties: dict):
+    """The IR's logits for token ids (an eval.fidelity LogitsFn; see the module doc)."""
+    import numpy as np
+    import openvino as ov
+    import torch
+
+    try:
+        compiled = ov.Core().compile_model(str(xml_path), "CPU", {"INFERENCE_NUM_THREADS": threads, **properties})
+    except Exception as e:
+        raise Unavailable(f"OpenVINO cannot compile {xml_path} ({type(e).__name__}: {e})") from None
+    request = compiled.create_infer_request()
+    inputs = {name for port in compiled.inputs for name in port.get_names()}
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        n = len(ids)
+        feed = {"input_ids": np.asarray([ids], dtype=np.int64), "attention_mask": np.ones((1, n), dtype=np.int64)}
+        if "position_ids" in inputs:
+            feed["position_ids"] = np.arange(n, dtype=np.int64)[None]
+        if "beam_idx" in inputs:  # the stateful export's KV cache reorder for beams: one beam
+            feed["beam_idx"] = np.zeros(1, dtype=np.int32)
+        request.reset_state()  # each window from an empty cache
+        request.infer(feed)
+        return torch.from_numpy(np.array(request.get_tensor("logits").data[0], dtype=np.float32))
+
+    yield logits
+
+
 class OpenVINOPeer(Contender):
     """`properties`: extra CPU plugin properties (tests pin INFERENCE_PRECISION_HINT to f32;
     the bench keeps OpenVINO's defaults, bf16 activations on AMX CPUs, as users get them)."""
@@ -207,6 +240,7 @@ class OpenVINOPeer(Contender):
                             + (f", prompt_lookup (num_assistant_tokens={PLD_ASSISTANT_TOKENS}, "
                                f"max_ngram_size={PLD_MAX_NGRAM})" if self.pld else ""))
         self.pipe = None
+        self.ir: Path | None = None  # the exported IR folder, once prepared
         self.versions: dict = {}
         self.precision: str | None = None  # the activation precision it runs at (after prepare)
 
@@ -223,11 +257,17 @@ class OpenVINOPeer(Contender):
             self.pipe = ov_genai.LLMPipeline(str(path), "CPU", **props)
         except Exception as e:
             raise Unavailable(f"OpenVINO GenAI cannot load {path} ({type(e).__name__}: {e})") from None
+        self.ir = path
         self.weights = f"{path} (OpenVINO IR, int8 weights)"
         self.bytes_per_step = ir_weight_bytes(path / "openvino_model.xml")
         exported = json.loads((path / MANIFEST).read_text()).get("versions", {})
         self.versions = {"openvino_genai": ov_genai.get_version(), "export": exported}
         self.precision = self.properties.get("INFERENCE_PRECISION_HINT") or _cpu_precision()
+
+    def fidelity_source(self) -> FidelitySource:
+        """Its int8 IR (openvino-pld shares openvino's), scored by OpenVINO's runtime."""
+        xml, threads, props = self.ir / "openvino_model.xml", self.threads, self.properties
+        return FidelitySource(f"openvino {self.ir}", lambda window: openvino_logits(xml, threads, props))
 
     def info(self) -> dict:
         return {**super().info(), "threads": self.threads, "versions": self.versions,

@@ -11,6 +11,9 @@
   peers are reported as unavailable.
 - `openvino`, `openvino-pld`: OpenVINO GenAI on an int8 export of the same float model
   (quasar/bench/openvino.py); optional too (scripts/install_openvino.sh).
+
+For the fidelity column transformers decodes the float model itself, and llama.cpp scores
+its file from its own logits (`llamacpp_logits`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import ctypes
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from quasar.bench.engine import Contender, RunResult, Unavailable
+from quasar.bench.engine import FLOAT_MODEL, Contender, FidelitySource, RunResult, Unavailable
 from quasar.bench.openvino import OPENVINO_PEERS, OpenVINOPeer
 from quasar.paths import cache_dir
 
@@ -110,6 +114,9 @@ class HFPeer(Contender):
         self.bytes_per_step = hf_weight_bytes(model)
         self.kv_element_size = model.dtype.itemsize  # a DynamicCache in the model's dtype
 
+    def fidelity_source(self) -> FidelitySource:
+        return FLOAT_MODEL  # the same float weights as ar-fp, in the same dtype
+
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         from transformers import GenerationConfig
 
@@ -188,6 +195,29 @@ def llamacpp_quantize(src: Path, out: Path, ftype: str, threads: int) -> None:
     os.replace(tmp, out)
 
 
+@contextmanager
+def llamacpp_logits(path: Path, window: int, threads: int):
+    """llama.cpp's logits for token ids (an eval.fidelity LogitsFn): the GGUF at `path` in a
+    context of `window` tokens that keeps every position's logits (logits_all). The ids go in
+    as they are, so the tokenization is the float model's."""
+    llama_cpp = _import_llama_cpp()
+    try:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=window, n_threads=threads, n_threads_batch=threads,
+                              logits_all=True, verbose=False)
+    except Exception as e:
+        raise Unavailable(f"llama.cpp cannot load {path} ({type(e).__name__}: {e})") from None
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        llm.reset()  # each window from an empty cache
+        llm.eval(ids)
+        return torch.from_numpy(llm.scores[: len(ids)].copy())
+
+    try:
+        yield logits
+    finally:
+        llm.close()
+
+
 class LlamaCppPeer(Contender):
     def __init__(self, name: str, gguf_path: Path | None, threads: int, n_ctx: int, eos_ids: set[int],
                  why_no_gguf: str = ""):
@@ -199,6 +229,7 @@ class LlamaCppPeer(Contender):
                             + (f", LlamaPromptLookupDecoding(num_pred_tokens={LLAMACPP_PLD_TOKENS})" if self.pld else "")
                             + (", Q8_0 copy made by llama.cpp's quantizer" if self.q8 else ", the model's own GGUF"))
         self.llm = None
+        self.path: Path | None = None  # the GGUF it decodes, once prepared
         self.calls = 0
 
     def prepare(self) -> None:
@@ -206,6 +237,7 @@ class LlamaCppPeer(Contender):
         if self.src is None:
             raise Unavailable(self.why_no_gguf or "no GGUF file for this model")
         path = q8_0_copy(self.src, self.threads) if self.q8 else self.src
+        self.path = path
         self.weights = str(path)
         self.bytes_per_step = gguf_weight_bytes(path)
         self.kv_element_size = 2  # llama.cpp's default f16 K and V
@@ -224,6 +256,11 @@ class LlamaCppPeer(Contender):
         except Exception as e:
             raise Unavailable(f"llama.cpp cannot load {path} ({type(e).__name__}: {e})") from None
         self.attach(llm)
+
+    def fidelity_source(self) -> FidelitySource:
+        """Its GGUF file (-pld peers share the plain one's), scored by llama.cpp itself."""
+        path, threads = self.path, self.threads
+        return FidelitySource(f"gguf {path}", lambda window: llamacpp_logits(path, window, threads))
 
     def attach(self, llm) -> None:
         """Use `llm` (a llama_cpp.Llama), counting its forwards: generate() calls

@@ -20,6 +20,7 @@ ACCEPTANCE_PNG = "acceptance.png"
 
 COLUMNS = ("engine", "tokens/s", "speedup vs ar-fp", "acceptance length", "step ms", "MB/step", "KV MB/step",
            "floor ms", "floor achieved", "e2e tokens/s", "same output as ar-fp")
+FIDELITY_COLUMNS = ("top-1 vs fp", "KL vs fp")  # the overall table's, once per engine's model
 
 COLUMN_HELP = [
     ("tokens/s", "decode rate: new tokens ÷ decode time, prefill excluded; sums over the prompts of the "
@@ -34,6 +35,10 @@ COLUMN_HELP = [
     ("floor achieved", "floor ms ÷ step ms (100% = weights and cache streamed at full memory speed, nothing else)"),
     ("e2e tokens/s", "new tokens ÷ wall time including prefill"),
     ("same output as ar-fp", "fraction of prompts whose greedy tokens equal ar-fp's"),
+    ("top-1 vs fp", "how often the engine's model and the float model agree on the most likely next token, "
+                    "on the same held-out token ids (once per model: modes on one verifier, and a peer's -pld "
+                    "variant, share it)"),
+    ("KL vs fp", "mean KL(float ‖ engine's model) of the next-token distributions there, in nats"),
 ]
 
 
@@ -99,17 +104,49 @@ def _row(name: str, m: dict) -> list[str]:
     ]
 
 
+def _fidelity_cells(rec: dict | None) -> list[str]:
+    if not rec or "top1_agreement" not in rec:
+        return ["reference", "reference"] if rec and rec.get("reference") else ["–", "–"]
+    return [f"{100 * rec['top1_agreement']:.1f}%", f"{rec['kl_mean']:.3g}"]
+
+
 def _table(header, rows) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return lines
 
 
-def engine_table(section: dict) -> list[str]:
-    """Markdown table of modes then peers (`section` has "modes" and "peers")."""
-    rows = [_row(name, m) for name, m in section["modes"].items()]
-    rows += [_row(name, m) for name, m in section["peers"].items()]
-    return _table(COLUMNS, rows)
+def engine_table(section: dict, fidelity: dict | None = None) -> list[str]:
+    """Markdown table of modes then peers (`section` has "modes" and "peers"); with
+    `fidelity` (results' "fidelity"), its two columns at the end."""
+    engines = [*section["modes"].items(), *section["peers"].items()]
+    if fidelity is None:
+        return _table(COLUMNS, [_row(name, m) for name, m in engines])
+    rows = [_row(name, m) + _fidelity_cells(fidelity["engines"].get(name)) for name, m in engines]
+    return _table(COLUMNS + FIDELITY_COLUMNS, rows)
+
+
+def matched_quality_lines(results: dict) -> list[str]:
+    """The matched-quality section: each Quasar verifier beside the peers of its precision."""
+    rows = []
+    for m in results.get("matched_quality", []):
+        q, p = m["mode_fidelity"] or {}, m["peer_fidelity"] or {}
+        top1 = [_f(None if f.get("top1_agreement") is None else 100 * f["top1_agreement"], "{:.1f}%") for f in (q, p)]
+        rows.append([f"{m['mode']} ({m['verifier']})", f"{m['peer']} ({m['peer_model']})", " / ".join(top1),
+                     f"{_f(q.get('kl_mean'), '{:.3g}')} / {_f(p.get('kl_mean'), '{:.3g}')}",
+                     _f(m["tokens_per_s_ratio"], "{:.2f}x")])
+    if not rows:
+        return []
+    return ["", "## Matched quality", "", "The fastest Quasar mode on each verifier against the fastest peer "
+            "of the same precision; fidelity vs the float model (Quasar / peer).", "",
+            *_table(("Quasar (verifier)", "peer (model)", "top-1 vs fp", "KL vs fp", "tokens/s ÷ peer's"), rows)]
+
+
+def _fidelity_setup(fid: dict) -> str:
+    if "skipped" in fid or "tokens" not in fid:
+        return f"- Fidelity vs the float model: not measured ({fid.get('skipped', 'no model to score')})"
+    return (f"- Fidelity vs the float model: {fid['tokens']} next-token predictions in {fid['windows']} windows of "
+            f"{fid['window']} tokens of the {fid['text']}; float perplexity {fid['ppl_fp']:.2f}; {fid['seconds']:.0f} s")
 
 
 def _resources(results: dict) -> str:
@@ -141,10 +178,14 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
              f"transformers {env.get('transformers') or 'absent'}, llama-cpp-python "
              f"{env.get('llama_cpp_python') or 'absent'}; quasar {env['quasar']}"
              + (f" ({env['git_commit']})" if env.get("git_commit") else ""))
+    fidelity = results.get("fidelity")
+    if fidelity is not None:
+        L.append(_fidelity_setup(fidelity))
     L += ["", "## Overall", ""]
-    L += engine_table(results)
+    L += engine_table(results, fidelity)
     L += ["", "## Ratios", ""]
     L += _table(("ratio", "measured"), [[r["name"], _f(r["value"])] for r in results.get("ratios", [])])
+    L += matched_quality_lines(results)
     if plots:
         L += ["", "## Plots", ""]
         if "speedup" in plots:
@@ -156,9 +197,11 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
     for task, section in results["tasks"].items():
         L += ["", f"## Task: {task} ({section['prompts']} prompts)", ""]
         L += engine_table(section)
-    if results.get("unavailable"):
+    no_fidelity = {n: r["unavailable"] for n, r in (fidelity or {}).get("engines", {}).items() if "unavailable" in r}
+    if results.get("unavailable") or no_fidelity:
         L += ["", "## Not measured", ""]
         L += [f"- `{name}`: {why}" for name, why in results["unavailable"].items()]
+        L += [f"- fidelity of `{name}`: {why}" for name, why in no_fidelity.items()]
     L += ["", "## Engines", ""]
     for name, info in results["engines"].items():
         L.append(f"- `{name}` ({info['kind']}): {info['description']}; weights {info.get('weights') or '?'}")
@@ -186,7 +229,7 @@ def summary_text(results: dict, paths: dict[str, Path] | None = None) -> str:
     lines = [f"{_resources(results)}; memory read bandwidth {results['bandwidth']['gb_per_s']:.2f} GB/s, "
              f"{results['config']['threads']} threads, {results['config']['prompts']} prompts, "
              f"median of {results['config']['repeats']}", ""]
-    lines += engine_table(results)
+    lines += engine_table(results, results.get("fidelity"))
     for name, why in results.get("unavailable", {}).items():
         lines.append(f"{name}: {why}")
     if paths:

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from quasar.bench import bandwidth as bw
-from quasar.bench.engine import Contender, RunResult, Unavailable
+from quasar.bench.engine import FLOAT_MODEL, Contender, FidelitySource, RunResult, Unavailable
+from quasar.bench.fidelity import DEFAULT_FIDELITY_TOKENS, matched_quality, measure_fidelity
 from quasar.bench.peers import PEERS, make_peers
 from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
 from quasar.errors import QuasarError
@@ -46,8 +47,9 @@ from quasar.resources import peak_rss_gb
 from quasar.speculative.tree_drafter import RecyclingTable
 
 # 2: duration_s became resources.seconds, beside resources.peak_rss_gb; 3: "targets" (with
-# the project's thresholds) became "ratios" (the measurements alone)
-SCHEMA_VERSION = 3
+# the project's thresholds) became "ratios" (the measurements alone); 4: "fidelity" (each
+# engine's model against the float model) and "matched_quality"
+SCHEMA_VERSION = 4
 BASELINE = "ar-fp"
 # mode -> (drafter, verifier)
 MODES: dict[str, tuple[str, str]] = {
@@ -85,6 +87,7 @@ class BenchConfig:
     draft_budget: int = DEFAULT_DRAFT_BUDGET
     bandwidth_bytes: int = bw.DEFAULT_BYTES
     bandwidth_repeats: int = bw.DEFAULT_REPEATS
+    fidelity_tokens: int = DEFAULT_FIDELITY_TOKENS  # held-out tokens each engine's model is scored on; 0: none
     progress: bool = True
     command: str = ""
 
@@ -103,9 +106,12 @@ class BenchConfig:
         self.peers = list(dict.fromkeys(self.peers))
         for name, value, low in (("--repeats", self.repeats, 1), ("--max-new-tokens", self.max_new_tokens, 1),
                                  ("--n", self.n if self.n is not None else 1, 1),
-                                 ("--threads", self.threads if self.threads is not None else 1, 1)):
+                                 ("--threads", self.threads if self.threads is not None else 1, 1),
+                                 ("--fidelity-tokens", self.fidelity_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise QuasarError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.fidelity_tokens == 1:  # one token predicts nothing
+            raise QuasarError("--fidelity-tokens must be 0 (skip) or at least 2, got 1")
         return self
 
 
@@ -192,6 +198,15 @@ class QuasarMode(Contender):
         self.kv_config = model.config  # a pruned verifier has fewer layers (and caches)
         dtype = str(self.llm.loaded.dtype).removeprefix("torch.")
         self.weights = f"{self.llm.loaded.model_dir} ({self.verifier}, {dtype})"
+
+    def fidelity_source(self) -> FidelitySource:
+        """Its verifier: the modes on one verifier share its figure (quasar, quasar-tree, ar-w8a8)."""
+        if self.verifier == "fp":
+            return FLOAT_MODEL
+        from quasar.eval.fidelity import model_logits
+
+        model = self.llm.verifier_model(self.verifier)
+        return FidelitySource(f"verifier {self.verifier}", lambda window: model_logits(model, window))
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         if self.drafter == "tree":
@@ -458,7 +473,8 @@ def _config_record(cfg: BenchConfig, llm, gguf_path: Path | None, threads: int, 
         "dtype": cfg.dtype, "threads": threads, "tasks": task_order, "prompts_file": cfg.prompts_file,
         "n": cfg.n, "prompts": n_prompts, "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats,
         "warmup": cfg.warmup, "modes": cfg.modes, "peers": cfg.peers, "num_draft": cfg.num_draft,
-        "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "draft_budget": cfg.draft_budget, "greedy": True, "batch": 1,
+        "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max, "draft_budget": cfg.draft_budget,
+        "fidelity_tokens": cfg.fidelity_tokens, "greedy": True, "batch": 1,
     }
 
 
@@ -489,6 +505,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     bandwidths.append(bw.measure_read_bandwidth(cfg.bandwidth_bytes, cfg.bandwidth_repeats, threads))
     band = bw.combine(bandwidths)
     gbps = band["gb_per_s"]
+    # after the timed runs, so loading more copies of a model cannot slow them
+    fidelity = measure_fidelity(engines, llm, cfg.fidelity_tokens, cfg.progress)
 
     task_order = list(dict.fromkeys(p.task for p in prompts))
     tasks = {}
@@ -517,6 +535,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         "peers": overall["peers"],
         "tasks": tasks,
         "ratios": ratios(overall),
+        "fidelity": fidelity,
+        "matched_quality": matched_quality(overall, fidelity, MODES),
         "prompts": per_prompt,
         "warnings": warnings,
     }
