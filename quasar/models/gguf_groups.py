@@ -1,0 +1,70 @@
+"""GGUF's 4-bit weights as affine int4 groups of 32, exactly as the file stores them.
+
+A model that arrives as a Q4_0, Q4_1 or Q4_K GGUF is, dequantized, the float model Quasar
+decodes and measures against. Those blocks are already affine int4 per 32 weights
+(w = scale * q + offset, q in [0, 15]); a W4A8 verifier (issue #34) that takes them over as
+they are keeps the file's own weights, where rounding the dequantized floats again loses a
+second time. ``int4_groups`` reads them; ``dequantize_groups`` is the float model's weight,
+bit for bit what the `gguf` package's dequantizer gives (every product below is exact in
+float32, and the one rounding, the offset's add, happens in the same order).
+
+Q6_K and 8-bit tensors (a Q4_K_M file keeps some attention values, down projections and
+the output in Q6_K) have no 4-bit form: ``int4_groups`` returns None for them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quasar.errors import QuasarError
+
+GROUP = 32  # weights per group in every 4-bit GGUF type read here
+
+
+def int4_groups(data: np.ndarray, tensor_type, shape: tuple[int, int]):
+    """(q uint8 [rows, cols] in [0, 15], scale, offset float32 [rows, cols / 32]) of a 4-bit
+    GGUF matrix given as the reader gives it (``t.data``, ``t.tensor_type``, HF shape
+    [rows, cols]); None for a type with no 4-bit form. Rows are in the file's order:
+    llama.cpp permutes a llama model's Q and K rows, and ``gguf._unpermute`` undoes that on
+    q, scale and offset alike."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import Q4_K
+
+    rows, cols = shape
+    if cols % GROUP:
+        raise QuasarError(f"a 4-bit GGUF row of {cols} weights is not whole groups of {GROUP}")
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1)
+    if tensor_type == T.Q4_0:  # 18 bytes: d, 16 bytes of nibbles; w = d * (q - 8)
+        b = blocks.reshape(rows, cols // 32, 18)
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+        return _nibbles(b[..., 2:], rows, cols, span=32), d, -8 * d
+    if tensor_type == T.Q4_1:  # 20 bytes: d, m, 16 bytes of nibbles; w = d * q + m
+        b = blocks.reshape(rows, cols // 32, 20)
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+        m = b[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        return _nibbles(b[..., 4:], rows, cols, span=32), d, m
+    if tensor_type == T.Q4_K:  # 144 bytes a 256: d, dmin, 12 bytes of 6-bit scales and mins, nibbles
+        b = blocks.reshape(rows * cols // 256, 144)
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+        scale = (d * sc.astype(np.float32)).reshape(rows, cols // 32)
+        offset = -(dmin * mn.astype(np.float32)).reshape(rows, cols // 32)
+        return _nibbles(b[:, 16:].reshape(rows, -1, 32), rows, cols, span=64), scale, offset
+    return None
+
+
+def _nibbles(qs: np.ndarray, rows: int, cols: int, span: int) -> np.ndarray:
+    """Unpack nibble bytes [rows, chunks, span / 2]: within each chunk of `span` weights the
+    low nibbles are the first half, the high nibbles the second (Q4_0/Q4_1: a 32-weight
+    block; Q4_K: a 64-weight pair of groups)."""
+    qs = qs.reshape(rows, cols // span, span // 2)
+    return np.concatenate([qs & 15, qs >> 4], axis=2).reshape(rows, cols)
+
+
+def dequantize_groups(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> torch.Tensor:
+    """float32 [rows, cols]: scale * q + offset per group, as the GGUF dequantizers compute it."""
+    rows, cols = q.shape
+    w = q.reshape(rows, cols // GROUP, GROUP).astype(np.float32) * scale[..., None] + offset[..., None]
+    return torch.from_numpy(w.reshape(rows, cols))

@@ -1,0 +1,176 @@
+"""The W4A8 reference numbers (quasar.quant.w4a8_numerics): the contract W4A8 kernels meet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar.errors import QuasarError
+from quasar.quant.numerics import quantize_activation
+from quasar.quant.w4a8_numerics import (activation_group_sums, dequantize_w4, group_sums, n_groups, pack_int4,
+                                        quantize_weight_w4, quantize_weight_w4_affine, reference_linear_w4a8,
+                                        scale_output_w4, unpack_int4, w4_weight_bytes)
+
+
+@pytest.mark.parametrize("k, group", [(64, 32), (576, 64), (576, 128), (131, 32), (5, 128)])
+def test_quantize_weight_w4_rounds_each_group_to_its_own_scale(k: int, group: int) -> None:
+    gen = torch.Generator().manual_seed(k + group)
+    w = torch.randn(7, k, generator=gen) * torch.logspace(-2, 1, k)  # scales differ along K
+    w[3] = 0.0  # all-zero groups get scale 1
+    q, s = quantize_weight_w4(w, group)
+    assert q.dtype == torch.int8 and q.shape == (7, k) and int(q.abs().max()) <= 7
+    assert s.shape == (7, n_groups(k, group)) and torch.equal(s[3], torch.ones_like(s[3]))
+    cols = torch.arange(k) // group
+    assert torch.all((dequantize_w4(q, s, group) - w).abs() <= s[:, cols] / 2 * (1 + 1e-6))
+    for g in range(s.shape[1]):  # each group's largest weight maps to ±7
+        part = q[[0, 1, 2, 4, 5, 6], g * group:(g + 1) * group]
+        assert torch.all(part.abs().amax(dim=1) == 7)
+
+
+def test_group_sums_are_exact() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for k, group in ((131, 32), (1536, 128), (64, 64)):
+        qx = torch.randint(-127, 128, (5, k), generator=gen, dtype=torch.int8)
+        qx[0] = 127
+        q = torch.randint(-7, 8, (9, k), generator=gen, dtype=torch.int8)
+        q[0] = -7
+        got = group_sums(qx, q, group)
+        want = torch.zeros(5, 9, n_groups(k, group), dtype=torch.int64)
+        for g in range(want.shape[2]):
+            cols = slice(g * group, min(k, (g + 1) * group))
+            want[:, :, g] = qx[:, cols].long() @ q[:, cols].long().t()
+        assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+
+
+def test_epilogue_adds_groups_in_order_without_fma() -> None:
+    """Summing the groups in another order or fusing the multiply-add changes some bits:
+    the reference pins one order, which kernels must follow."""
+    gen = torch.Generator().manual_seed(1)
+    sums = torch.randint(-100_000, 100_000, (64, 64, 12), generator=gen, dtype=torch.int32)
+    scales = torch.rand(64, 12, generator=gen) / 1000
+    sx = torch.rand(64, 1, generator=gen)
+    y = scale_output_w4(sums, sx, scales, None)
+    manual = torch.zeros(64, 64)
+    for g in range(12):
+        manual = manual + sums[:, :, g].float() * scales[:, g]
+    assert torch.equal(y, manual * sx)
+    reversed_order = torch.zeros(64, 64)
+    for g in reversed(range(12)):
+        reversed_order = reversed_order + sums[:, :, g].float() * scales[:, g]
+    assert not torch.equal(y, reversed_order * sx)
+
+
+def test_rows_are_batch_independent() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 200, generator=gen)
+    q, s = quantize_weight_w4(w, 64)
+    bias = torch.randn(48, generator=gen)
+    x = torch.randn(9, 200, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
+    y = reference_linear_w4a8(x, q, s, bias, 64)
+    for i in range(9):
+        assert torch.equal(reference_linear_w4a8(x[i:i + 1], q, s, bias, 64), y[i:i + 1])
+
+
+def test_smaller_groups_are_closer_to_the_float_layer() -> None:
+    """The trade issue #34 asks to measure: finer groups, smaller error (and more scale bytes)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 1024, generator=gen) * (1 + 4 * torch.rand(1, 1024, generator=gen))  # outlier columns
+    x = torch.randn(16, 1024, generator=gen)
+    ref = x @ w.t()
+    errors = []
+    for group in (32, 64, 128, 1024):
+        q, s = quantize_weight_w4(w, group)
+        y = reference_linear_w4a8(x, q, s, None, group)
+        errors.append(float((y - ref).norm() / ref.norm()))
+    assert errors == sorted(errors) and errors[0] < 0.15, errors
+    qx, sx = quantize_activation(x)
+    assert errors[0] > float((qx.float() * sx - x).norm() / x.norm())  # weights, not activations, dominate
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 64, 131])
+def test_pack_int4_round_trip_and_layout(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    q = torch.randint(-7, 8, (3, k), generator=gen, dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, (k + 1) // 2)
+    assert torch.equal(unpack_int4(packed, k), q)
+    assert int(packed[0, 0]) & 15 == int(q[0, 0]) + 8  # column 0 in the low nibble
+    if k > 1:
+        assert int(packed[0, 0]) >> 4 == int(q[0, 1]) + 8
+    if k % 2:
+        assert int(packed[0, -1]) >> 4 == 0
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    with pytest.raises(QuasarError, match="group size"):
+        quantize_weight_w4(torch.randn(2, 8), 0)
+    with pytest.raises(QuasarError, match="2-D float"):
+        quantize_weight_w4(torch.randn(8), 32)
+    with pytest.raises(QuasarError, match=r"\[-7, 7\]"):
+        pack_int4(torch.full((1, 2), -8, dtype=torch.int8))
+    with pytest.raises(QuasarError, match=r"\[0, 15\]"):
+        pack_int4(torch.full((1, 2), -1, dtype=torch.int8), affine=True)
+    with pytest.raises(QuasarError, match="both offsets and x_sums"):
+        scale_output_w4(torch.zeros(1, 1, 1, dtype=torch.int32), torch.ones(1, 1), torch.ones(1, 1), None,
+                        offsets=torch.zeros(1, 1))
+    with pytest.raises(QuasarError, match="columns"):
+        group_sums(torch.zeros(1, 4, dtype=torch.int8), torch.zeros(1, 5, dtype=torch.int8), 4)
+    with pytest.raises(QuasarError, match="uint8"):
+        unpack_int4(torch.zeros(1, 2, dtype=torch.uint8), 5)
+
+
+def test_weight_bytes() -> None:
+    # 1.5B's MLP down projection at group 64: 4 bits + 32 / 64 bits of fp32 scale a weight
+    assert w4_weight_bytes(1536, 8960, 64) == 1536 * (4480 + 140 * 4)
+    assert w4_weight_bytes(1, 3, 2, scale_bytes=2) == 2 + 2 * 2
+
+
+def _gguf_like(gen: torch.Generator, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights on a 4-bit affine grid per group, as a Q4_1 / Q4_K file stores them: d * q + m
+    with d, m fp16 values and q in [0, 15] using both ends of the range."""
+    g = n_groups(k, group)
+    q = torch.randint(0, 16, (n, g * group), generator=gen, dtype=torch.int8)
+    q[:, 0::group], q[:, 1::group] = 0, 15
+    d = (torch.rand(n, g, generator=gen) / 50 + 1e-3).half().float()
+    m = (-torch.rand(n, g, generator=gen) / 10).half().float()
+    return q[:, :k].contiguous(), d, m
+
+
+@pytest.mark.parametrize("k, group", [(576, 32), (1536, 32), (96, 64)])
+def test_affine_groups_keep_a_4bit_files_weights(k: int, group: int) -> None:
+    """A model read from a 4-bit GGUF is already on an affine grid per 32 weights: the affine
+    quantizer gives those weights back instead of rounding them again (the symmetric one
+    cannot: its grid is centred on zero)."""
+    gen = torch.Generator().manual_seed(k)
+    q, d, m = _gguf_like(gen, 24, k, group)
+    w = dequantize_w4(q, d, group, m)
+    q2, d2, m2 = quantize_weight_w4_affine(w, group)
+    assert torch.equal(q2, q)
+    assert torch.allclose(dequantize_w4(q2, d2, group, m2), w, rtol=0, atol=1e-6)
+    qs, ss = quantize_weight_w4(w, group)
+    assert float((dequantize_w4(qs, ss, group) - w).abs().max()) > 1e-3
+
+
+def test_affine_product_is_exact_and_rows_independent() -> None:
+    gen = torch.Generator().manual_seed(5)
+    k, group = 200, 32  # a ragged last group
+    w = torch.randn(40, k, generator=gen)
+    q, s, o = quantize_weight_w4_affine(w, group)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    x = torch.randn(6, k, generator=gen) * torch.logspace(-2, 2, 6)[:, None]
+    y = reference_linear_w4a8(x, q, s, None, group, offsets=o)
+    qx, sx = quantize_activation(x)
+    exact = (qx.double() @ dequantize_w4(q, s, group, o).double().t()) * sx.double()
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    assert torch.equal(activation_group_sums(qx, group).long(),
+                       torch.stack([qx[:, i:i + group].long().sum(1) for i in range(0, k, group)], 1))
+    for i in range(6):
+        assert torch.equal(reference_linear_w4a8(x[i:i + 1], q, s, None, group, offsets=o), y[i:i + 1])
+
+
+def test_pack_int4_affine_round_trip() -> None:
+    q = torch.randint(0, 16, (5, 33), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
+    packed = pack_int4(q, affine=True)
+    assert int(packed[0, 0]) & 15 == int(q[0, 0])
+    assert torch.equal(unpack_int4(packed, 33, affine=True), q)
+    assert w4_weight_bytes(2, 64, 32, scale_bytes=2, affine=True) == 2 * (32 + 2 * 2 * 2)
