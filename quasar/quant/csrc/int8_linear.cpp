@@ -559,8 +559,9 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
   // The tile configuration is per thread, and other code (oneDNN) may change it between
   // calls: set it here, release the tiles at the end.
   int64_t configured = 0;
-  bool symmetric = false;  // the segment's weights are in [-127, 127] (for the AVX2 kernel)
-  const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t stride, int64_t va, int64_t nv, int32_t* a) {
+  // symmetric: the segment's weights are in [-127, 127] (tiles_symmetric; the AVX2 kernel's shorter form)
+  const auto sums = [&](const uint8_t* xr, const int8_t* tile, int64_t stride, int64_t va, int64_t nv, int32_t* a,
+                        bool symmetric) {
     switch (path) {
       case KernelPath::kAmx:
 #ifdef QUASAR_AMX_KERNEL
@@ -585,9 +586,9 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
     const int64_t n_len = std::min(seg.n - n0, kChunk), stride = (n_len + 15) / 16;  // the tile's vectors
     const int64_t va = in_seg % kTileVectors, vb = std::min(stride, va + (v1 - v));  // [va, vb) of them
     const int8_t* tile = seg.tiles + n0 * k4;
-    symmetric = quasar::tiles_symmetric(seg.tiles, seg.n, K);
-    sums(g.xu, tile, stride, va, vb - va, acc);
-    if (kSplit) sums(g.xlo, tile, stride, va, vb - va, acc_lo);
+    const bool symmetric = quasar::tiles_symmetric(seg.tiles, seg.n, K);
+    sums(g.xu, tile, stride, va, vb - va, acc, symmetric);
+    if (kSplit) sums(g.xlo, tile, stride, va, vb - va, acc_lo, symmetric);
     finish(acc, acc_lo, wide, M, std::min(n_len, 16 * vb) - 16 * va, seg, n0 + 16 * va, g.sx, g.y, g.y_stride,
            offset);
     v += vb - va;
@@ -603,6 +604,7 @@ namespace quasar {
 
 void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
   const int64_t k4 = padded_k(k), n_tiles = (n + kTile - 1) / kTile;
+  std::atomic<bool> has_min{false};  // some weight is -128 (the footer's flag)
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = t * kTile, rows = std::min(kTile, n - r0), nv = (rows + 15) / 16;
@@ -613,11 +615,13 @@ void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
         int8_t* dst = o + (i / 16) * 64 + (i % 16) * 4;
         for (int64_t c = 0; c < k; ++c) dst[(c / 4) * nv * 64 + c % 4] = src[c];
       }
+      const int8_t *first = w + r0 * k, *last = first + rows * k;  // the tile's rows, still in cache
+      if (std::find(first, last, int8_t{-128}) != last) has_min.store(true, std::memory_order_relaxed);
     }
   });
   int8_t* footer = out + tiled_bytes(n, k) - kTileFooter;
   std::memset(footer, 0, kTileFooter);
-  footer[0] = std::find(w, w + n * k, int8_t{-128}) == w + n * k;
+  footer[0] = !has_min.load();
 }
 
 SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int64_t K_, const Int8Segment* segs_,
