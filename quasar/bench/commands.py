@@ -6,13 +6,13 @@ import argparse
 import shlex
 import sys
 
+from quasar.defaults import DEFAULT_FIDELITY_TOKENS
 from quasar.errors import QuasarError
 
 MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "quasar-tree", "ngram-pruned")
 PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8",
               "openvino", "openvino-pld")
 TASK_NAMES = ("code", "summarization", "qa", "math", "chat")
-FIDELITY_TOKENS = 1024  # bench.fidelity.DEFAULT_FIDELITY_TOKENS (not imported here: that loads torch)
 
 
 def _names(value: str, choices: tuple[str, ...], what: str, allow_none: bool) -> list[str]:
@@ -57,9 +57,9 @@ def register(sub) -> None:
                         "(default: --model itself when it is a GGUF file or the default model)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and engine; the median is kept")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run of each engine")
-    p.add_argument("--fidelity-tokens", type=int, default=FIDELITY_TOKENS, metavar="N",
+    p.add_argument("--fidelity-tokens", type=int, default=DEFAULT_FIDELITY_TOKENS, metavar="N",
                    help="score each engine's model against the float model (top-1 agreement, KL) on the first N "
-                        f"tokens of held-out text, once per model (default {FIDELITY_TOKENS}; 0: skip)")
+                        f"tokens of held-out text, once per model (default {DEFAULT_FIDELITY_TOKENS}; 0: skip)")
     add_draft_args(p)
     p.add_argument("--bandwidth-gb", type=float, default=2.0,
                    help="GiB read to measure memory bandwidth (keep it far above the L3 cache)")

@@ -15,12 +15,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from quasar.bench.engine import Contender, FidelitySource
+from quasar.defaults import DEFAULT_FIDELITY_TOKENS
 from quasar.eval.fidelity import DEFAULT_WINDOW, compare_logits, fidelity_text, model_logits
-
-# The held-out text's first 1024 tokens: 1023 predictions in exactly three 512-token windows
-# (stride 256; one token more would cost a fourth), seconds per model at the default size.
-# Top-1 over ~1000 predictions has a standard error near half a point at 97%.
-DEFAULT_FIDELITY_TOKENS = 1024
 TEXT = "held-out calibration text (quasar.eval.fidelity.fidelity_text)"
 METRICS = ("top1_agreement", "kl_mean", "kl_max", "ppl", "tokens")
 

@@ -39,9 +39,10 @@ import torch
 
 from quasar.bench import bandwidth as bw
 from quasar.bench.engine import FLOAT_MODEL, Contender, FidelitySource, RunResult, Unavailable
-from quasar.bench.fidelity import DEFAULT_FIDELITY_TOKENS, matched_quality, measure_fidelity
+from quasar.bench.fidelity import matched_quality, measure_fidelity
 from quasar.bench.peers import PEERS, make_peers
-from quasar.defaults import DEFAULT_DRAFT_BUDGET, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT
+from quasar.defaults import (DEFAULT_DRAFT_BUDGET, DEFAULT_FIDELITY_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
+                             DEFAULT_NUM_DRAFT)
 from quasar.errors import QuasarError
 from quasar.resources import peak_rss_gb
 from quasar.speculative.tree_drafter import RecyclingTable
