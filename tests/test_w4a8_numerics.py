@@ -8,8 +8,9 @@ import torch
 from quasar.errors import QuasarError
 from quasar.quant.numerics import quantize_activation
 from quasar.quant.w4a8_numerics import (activation_group_sums, dequantize_w4, group_sums, n_groups, pack_int4,
-                                        quantize_weight_w4, quantize_weight_w4_affine, reference_linear_w4a8,
-                                        scale_output_w4, unpack_int4, w4_weight_bytes)
+                                        quantize_activation_groups, quantize_weight_w4, quantize_weight_w4_affine,
+                                        reference_linear_w4a8, scale_output_w4, symmetric_as_affine, unpack_int4,
+                                        w4_weight_bytes)
 
 
 @pytest.mark.parametrize("k, group", [(64, 32), (576, 64), (576, 128), (131, 32), (5, 128)])
@@ -47,28 +48,57 @@ def test_epilogue_adds_groups_in_order_without_fma() -> None:
     the reference pins one order, which kernels must follow."""
     gen = torch.Generator().manual_seed(1)
     sums = torch.randint(-100_000, 100_000, (64, 64, 12), generator=gen, dtype=torch.int32)
-    scales = torch.rand(64, 12, generator=gen) / 1000
-    sx = torch.rand(64, 1, generator=gen)
-    y = scale_output_w4(sums, sx, scales, None)
-    manual = torch.zeros(64, 64)
-    for g in range(12):
-        manual = manual + sums[:, :, g].float() * scales[:, g]
-    assert torch.equal(y, manual * sx)
-    reversed_order = torch.zeros(64, 64)
-    for g in reversed(range(12)):
-        reversed_order = reversed_order + sums[:, :, g].float() * scales[:, g]
-    assert not torch.equal(y, reversed_order * sx)
+    x_sums = torch.randint(-2_000, 2_000, (64, 12), generator=gen, dtype=torch.int32)
+    scales, offsets = torch.rand(64, 12, generator=gen) / 1000, -torch.rand(64, 12, generator=gen) / 100
+    sx = torch.rand(64, 12, generator=gen)
+    y = scale_output_w4(sums, x_sums, sx, scales, offsets, None)
+
+    def in_order(groups):
+        acc = torch.zeros(64, 64)
+        for g in groups:
+            acc = acc + (sums[:, :, g].float() * sx[:, g:g + 1]) * scales[:, g]
+            acc = acc + (x_sums[:, g:g + 1].float() * sx[:, g:g + 1]) * offsets[:, g]
+        return acc
+
+    assert torch.equal(y, in_order(range(12)))
+    assert not torch.equal(y, in_order(reversed(range(12))))
+
+
+def _affine(gen: torch.Generator, n: int, k: int, group: int):
+    q, s = quantize_weight_w4(torch.randn(n, k, generator=gen), group)
+    return symmetric_as_affine(q, s)
 
 
 def test_rows_are_batch_independent() -> None:
     gen = torch.Generator().manual_seed(2)
-    w = torch.randn(48, 200, generator=gen)
-    q, s = quantize_weight_w4(w, 64)
+    q, s, o = _affine(gen, 48, 200, 64)
     bias = torch.randn(48, generator=gen)
     x = torch.randn(9, 200, generator=gen) * torch.logspace(-3, 3, 9)[:, None]
-    y = reference_linear_w4a8(x, q, s, bias, 64)
+    y = reference_linear_w4a8(x, q, s, o, bias, 64)
     for i in range(9):
-        assert torch.equal(reference_linear_w4a8(x[i:i + 1], q, s, bias, 64), y[i:i + 1])
+        assert torch.equal(reference_linear_w4a8(x[i:i + 1], q, s, o, bias, 64), y[i:i + 1])
+
+
+def test_symmetric_as_affine_is_the_same_weights() -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, s = quantize_weight_w4(torch.randn(5, 96, generator=gen), 32)
+    qa, sa, oa = symmetric_as_affine(q, s)
+    assert int(qa.min()) >= 1 and int(qa.max()) <= 15
+    cols = torch.arange(96) // 32  # the same real numbers (float64 holds both exactly)
+    assert torch.equal(qa.double() * sa.double()[:, cols] + oa.double()[:, cols], q.double() * s.double()[:, cols])
+
+
+@pytest.mark.parametrize("k, group", [(64, 32), (200, 32), (256, 128)])
+def test_activation_groups_each_take_their_own_range(k: int, group: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(4, k, generator=gen) * torch.logspace(-3, 3, k)  # ranges differ along K
+    x[2] = 0.0
+    q, sx = quantize_activation_groups(x, group)
+    assert q.shape == (4, k) and sx.shape == (4, n_groups(k, group))
+    for g in range(sx.shape[1]):
+        cols = slice(g * group, min(k, (g + 1) * group))
+        q1, s1 = quantize_activation(x[:, cols])
+        assert torch.equal(q[:, cols], q1) and torch.equal(sx[:, g:g + 1], s1)
 
 
 def test_smaller_groups_are_closer_to_the_float_layer() -> None:
@@ -79,8 +109,8 @@ def test_smaller_groups_are_closer_to_the_float_layer() -> None:
     ref = x @ w.t()
     errors = []
     for group in (32, 64, 128, 1024):
-        q, s = quantize_weight_w4(w, group)
-        y = reference_linear_w4a8(x, q, s, None, group)
+        q, s, o = symmetric_as_affine(*quantize_weight_w4(w, group))
+        y = reference_linear_w4a8(x, q, s, o, None, group)
         errors.append(float((y - ref).norm() / ref.norm()))
     assert errors == sorted(errors) and errors[0] < 0.15, errors
     qx, sx = quantize_activation(x)
@@ -90,13 +120,13 @@ def test_smaller_groups_are_closer_to_the_float_layer() -> None:
 @pytest.mark.parametrize("k", [1, 2, 7, 64, 131])
 def test_pack_int4_round_trip_and_layout(k: int) -> None:
     gen = torch.Generator().manual_seed(k)
-    q = torch.randint(-7, 8, (3, k), generator=gen, dtype=torch.int8)
+    q = torch.randint(0, 16, (3, k), generator=gen, dtype=torch.int8)
     packed = pack_int4(q)
     assert packed.dtype == torch.uint8 and packed.shape == (3, (k + 1) // 2)
     assert torch.equal(unpack_int4(packed, k), q)
-    assert int(packed[0, 0]) & 15 == int(q[0, 0]) + 8  # column 0 in the low nibble
+    assert int(packed[0, 0]) & 15 == int(q[0, 0])  # column 0 in the low nibble
     if k > 1:
-        assert int(packed[0, 0]) >> 4 == int(q[0, 1]) + 8
+        assert int(packed[0, 0]) >> 4 == int(q[0, 1])
     if k % 2:
         assert int(packed[0, -1]) >> 4 == 0
 
@@ -106,23 +136,20 @@ def test_bad_input_is_a_clear_error() -> None:
         quantize_weight_w4(torch.randn(2, 8), 0)
     with pytest.raises(QuasarError, match="2-D float"):
         quantize_weight_w4(torch.randn(8), 32)
-    with pytest.raises(QuasarError, match=r"\[-7, 7\]"):
-        pack_int4(torch.full((1, 2), -8, dtype=torch.int8))
     with pytest.raises(QuasarError, match=r"\[0, 15\]"):
-        pack_int4(torch.full((1, 2), -1, dtype=torch.int8), affine=True)
-    with pytest.raises(QuasarError, match="both offsets and x_sums"):
-        scale_output_w4(torch.zeros(1, 1, 1, dtype=torch.int32), torch.ones(1, 1), torch.ones(1, 1), None,
-                        offsets=torch.zeros(1, 1))
+        pack_int4(torch.full((1, 2), -1, dtype=torch.int8))
     with pytest.raises(QuasarError, match="columns"):
         group_sums(torch.zeros(1, 4, dtype=torch.int8), torch.zeros(1, 5, dtype=torch.int8), 4)
     with pytest.raises(QuasarError, match="uint8"):
         unpack_int4(torch.zeros(1, 2, dtype=torch.uint8), 5)
+    with pytest.raises(QuasarError, match="2-D"):
+        quantize_activation_groups(torch.zeros(3), 32)
 
 
 def test_weight_bytes() -> None:
-    # 1.5B's MLP down projection at group 64: 4 bits + 32 / 64 bits of fp32 scale a weight
-    assert w4_weight_bytes(1536, 8960, 64) == 1536 * (4480 + 140 * 4)
-    assert w4_weight_bytes(1, 3, 2, scale_bytes=2) == 2 + 2 * 2
+    # 1.5B's MLP down projection at group 64: 4 bits + 64 / 64 bits of fp32 scale and offset a weight
+    assert w4_weight_bytes(1536, 8960, 64) == 1536 * (4480 + 140 * 8)
+    assert w4_weight_bytes(1, 3, 2, scale_bytes=2) == 2 + 2 * 2 * 2
 
 
 def _gguf_like(gen: torch.Generator, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,19 +185,12 @@ def test_affine_product_is_exact_and_rows_independent() -> None:
     q, s, o = quantize_weight_w4_affine(w, group)
     assert int(q.min()) >= 0 and int(q.max()) <= 15
     x = torch.randn(6, k, generator=gen) * torch.logspace(-2, 2, 6)[:, None]
-    y = reference_linear_w4a8(x, q, s, None, group, offsets=o)
-    qx, sx = quantize_activation(x)
-    exact = (qx.double() @ dequantize_w4(q, s, group, o).double().t()) * sx.double()
+    y = reference_linear_w4a8(x, q, s, o, None, group)
+    qx, sx = quantize_activation_groups(x, group)
+    xd = qx.double() * sx.double().repeat_interleave(group, dim=1)[:, :k]
+    exact = xd @ dequantize_w4(q, s, group, o).double().t()
     assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
     assert torch.equal(activation_group_sums(qx, group).long(),
                        torch.stack([qx[:, i:i + group].long().sum(1) for i in range(0, k, group)], 1))
     for i in range(6):
-        assert torch.equal(reference_linear_w4a8(x[i:i + 1], q, s, None, group, offsets=o), y[i:i + 1])
-
-
-def test_pack_int4_affine_round_trip() -> None:
-    q = torch.randint(0, 16, (5, 33), generator=torch.Generator().manual_seed(6), dtype=torch.int8)
-    packed = pack_int4(q, affine=True)
-    assert int(packed[0, 0]) & 15 == int(q[0, 0])
-    assert torch.equal(unpack_int4(packed, 33, affine=True), q)
-    assert w4_weight_bytes(2, 64, 32, scale_bytes=2, affine=True) == 2 * (32 + 2 * 2 * 2)
+        assert torch.equal(reference_linear_w4a8(x[i:i + 1], q, s, o, None, group), y[i:i + 1])

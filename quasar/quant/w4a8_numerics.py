@@ -1,34 +1,38 @@
-"""The W4A8 numbers (issue #34): int4 weights in groups along the input dimension, int8
-activations per token as in W8A8, an exact int32 sum per group, and the groups added in
-float in one fixed order. A leaf module (torch only), the reference every W4A8 kernel must
-match bit for bit, as ``numerics`` is for W8A8.
+"""The W4A8 numbers (issue #34): 4-bit weights in affine groups along the input dimension,
+int8 activations per token and group, an exact integer sum per group, and the groups added
+in float in one fixed order. A leaf module (torch only), the reference every W4A8 kernel
+must match bit for bit, as ``numerics`` is for W8A8.
 
-Weights: symmetric int4 per (output row, group of ``group`` input columns), scale =
-max|w| / 7 over the group; the last group of a row may be shorter when K is not a multiple
-of ``group``. The levels are [-7, 7]: -8 is left unused, as W8A8 leaves -128, so a weight
-can be negated (the AVX2 kernels move an activation's sign onto it) and nothing saturates.
+Weights: one form, affine per (output row, group of ``group`` input columns): w = scale * q
++ offset with q in [0, 15]. It is the form of GGUF's 4-bit blocks (Q4_0 is offset = -8 d,
+Q4_1 and Q4_K's sub-blocks carry their own), so a model that comes as a 4-bit GGUF keeps its
+own weights instead of being rounded a second time (on the default model, weight-only:
+symmetric groups of 32 keep 73% top-1 agreement with the float model, the file's own groups
+all of it). A symmetric quantizer's q in [-7, 7] is the affine q + 8 with offset -8 * scale
+(``symmetric_as_affine``; exact: a power of two times the scale). One form means one kernel
+per ISA, and unsigned nibbles are the u8 operand of vpdpbusd and vpmaddubsw as they are.
 
-Arithmetic: a group's sum of q_w * q_x is at most 7 * 127 * group in magnitude, exact in
-int32 and, below 2**24, in float32 too. The epilogue is
+Activations: int8 per token *and group* (the weights' groups), scale amax / 127 over the
+group, as llama.cpp's Q8 blocks. Per token alone (W8A8's rule) measured 91.6% top-1 on the
+default model and 95.9% at 1.5B against 97.7% and 99.2% per group (scripts/w4_fidelity.py
+with the file's own 4-bit groups): a 4-bit group's error is already spent, so the
+activations must not add one per token on top.
 
-    y = (((0 + S_0 * s_0) + S_1 * s_1) + ... + S_{G-1} * s_{G-1}) * s_x + bias
+Arithmetic: per row m, column n, group g two integer sums, S = sum of q_w * q_x (at most
+15 * 127 * group) and X = sum of q_x (the offset's term, shared by every column), exact in
+int32 and, below 2**24, in float32. The epilogue, in float32, each product rounded before
+its add (no fused multiply-add), groups in order:
 
-in float32, groups in order, each product rounded before its add (no fused multiply-add),
+    xs_g = float(X_g) * sx_g                      (once per row and group)
+    acc  = 0
+    acc  = (acc + (float(S_g) * sx_g) * scale_g) + xs_g * offset_g      for g = 0, 1, ...
+    y    = acc + bias
+
 so a token's output does not depend on the other tokens of the batch (row invariance) and
 greedy speculative decoding equals greedy decoding of the same verifier.
 
-Affine groups (``quantize_weight_w4_affine``): w = scale * q + offset with q in [0, 15], one
-offset a group, the form of GGUF's 4-bit blocks (Q4_1, and Q4_K's 32-weight sub-blocks), so
-a model that comes as a 4-bit GGUF keeps its own weights instead of being rounded a second
-time (on the default model, weight-only: symmetric groups of 32 keep 73% top-1 agreement
-with the float model, affine groups of 32 all of it; the float model is the file's own
-weights dequantized). The product stays exact: the group's sum is scale * (sum of q_w * q_x) + offset *
-(sum of q_x), two integer sums, the second shared by every output row; the epilogue adds
-S_g * s_g, then X_g * o_g, group by group.
-
-Storage: two weights a byte (``pack_int4``), column 2j in the low nibble and 2j + 1 in the
-high one, symmetric q as q + 8 in [1, 15], affine q as is; a row of odd K ends in a
-half-used byte.
+Storage (``pack_int4``): two weights a byte, column 2j in the low nibble and 2j + 1 in the
+high one; a row of odd K ends in a half-used byte.
 """
 
 from __future__ import annotations
@@ -121,65 +125,78 @@ def activation_group_sums(qx: Tensor, group: int) -> Tensor:
     return torch.nn.functional.pad(qx.long(), (0, g * group - k)).view(m, g, group).sum(2).to(torch.int32)
 
 
-def scale_output_w4(sums: Tensor, sx: Tensor, scales: Tensor, bias: Tensor | None,
-                    dtype: torch.dtype = torch.float32, offsets: Tensor | None = None,
-                    x_sums: Tensor | None = None) -> Tensor:
-    """int32 group sums [M, N, G] -> ``dtype`` [M, N] in the module docstring's order;
-    affine groups also take their offsets [N, G] and the activations' group sums [M, G]."""
-    if (offsets is None) != (x_sums is None):
-        raise QuasarError("scale_output_w4: affine groups need both offsets and x_sums")
-    s = scales.float()
-    acc = torch.zeros(sums.shape[:2])
-    for g in range(sums.shape[2]):
-        acc = acc + sums[:, :, g].float() * s[:, g]
-        if offsets is not None:
-            acc = acc + x_sums[:, g:g + 1].float() * offsets[:, g].float()
-    y = acc * sx.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(dtype).contiguous()
+def symmetric_as_affine(q: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A symmetric quantizer's (q in [-7, 7], scales) in the one stored form: (q + 8 in
+    [1, 15], scales, offsets = -8 * scales), the same weights exactly."""
+    return (q + 8).to(torch.int8), scales, scales * -8.0
 
 
-def reference_linear_w4a8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None, group: int,
-                          offsets: Tensor | None = None) -> Tensor:
-    """The W4A8 layer on x [M, K] float: per-token int8 activations (as W8A8's), exact group
-    sums, the fixed-order epilogue. What every W4A8 kernel must reproduce bit for bit."""
+def quantize_activation_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Dynamic symmetric int8 quantization of x [M, K] per row and group of ``group``
+    columns (the last group's range from its real columns): q int8 [M, K] and float32
+    scales [M, n_groups(K, group)]. The same rounding as numerics.quantize_activation
+    (scale amax / 127, floored; q = round(x / scale), ties to even) on each group."""
     from quasar.quant.numerics import quantize_activation
 
-    qx, sx = quantize_activation(x.float())
-    x_sums = None if offsets is None else activation_group_sums(qx, group)
-    return scale_output_w4(group_sums(qx, q, group), sx, scales, bias, offsets=offsets, x_sums=x_sums)
+    _check_group(group)
+    if x.dim() != 2:
+        raise QuasarError(f"quantize_activation_groups expects a 2-D tensor, got {x.dim()}-D")
+    m, k = x.shape
+    g = n_groups(k, group)
+    xf = torch.nn.functional.pad(x.float(), (0, g * group - k)).view(m, g, group)  # zeros never raise amax
+    q, scale = quantize_activation(xf)
+    return q.view(m, g * group)[:, :k].contiguous(), scale.view(m, g)
 
 
-def pack_int4(q: Tensor, affine: bool = False) -> Tensor:
-    """int4 values (int8 [N, K] in [-7, 7], affine: in [0, 15]) -> uint8 [N, ceil(K / 2)],
-    two a byte, symmetric ones as q + 8 (see the module docstring); the unused high nibble
-    of an odd row's last byte is 0."""
+def scale_output_w4(sums: Tensor, x_sums: Tensor, sx: Tensor, scales: Tensor, offsets: Tensor,
+                    bias: Tensor | None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The epilogue of the module docstring: int32 group sums [M, N, G], the activations'
+    group sums x_sums [M, G] and scales sx [M, G], the weights' scales and offsets [N, G]
+    -> ``dtype`` [M, N]."""
+    s, o, sxf = scales.float(), offsets.float(), sx.float()
+    xs = x_sums.float() * sxf
+    acc = torch.zeros(sums.shape[:2])
+    for g in range(sums.shape[2]):
+        acc = acc + (sums[:, :, g].float() * sxf[:, g:g + 1]) * s[:, g]
+        acc = acc + xs[:, g:g + 1] * o[:, g]
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(dtype).contiguous()
+
+
+def reference_linear_w4a8(x: Tensor, q: Tensor, scales: Tensor, offsets: Tensor, bias: Tensor | None,
+                          group: int) -> Tensor:
+    """The W4A8 layer on x [M, K] float with affine weights (q int8 [N, K] in [0, 15],
+    scales and offsets [N, G]): int8 activations per row and group, exact group sums, the
+    fixed-order epilogue. What every W4A8 kernel must reproduce bit for bit."""
+    qx, sx = quantize_activation_groups(x, group)
+    return scale_output_w4(group_sums(qx, q, group), activation_group_sums(qx, group), sx, scales, offsets, bias)
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """int4 values (int8 [N, K] in [0, 15]) -> uint8 [N, ceil(K / 2)], two a byte (see the
+    module docstring); the unused high nibble of an odd row's last byte is 0."""
     if q.dim() != 2 or q.dtype != torch.int8:
         raise QuasarError(f"pack_int4 expects a 2-D int8 tensor, got {q.dim()}-D {q.dtype}")
-    low, high = (0, 15) if affine else (-INT4_MAX, INT4_MAX)
-    if q.numel() and (int(q.min()) < low or int(q.max()) > high):
-        raise QuasarError(f"pack_int4: values must lie in [{low}, {high}]")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise QuasarError("pack_int4: values must lie in [0, 15]")
     n, k = q.shape
-    u = (q.to(torch.int16) + (0 if affine else 8)).to(torch.uint8)
+    u = q.to(torch.uint8)
     if k % 2:
         u = torch.cat([u, torch.zeros(n, 1, dtype=torch.uint8)], dim=1)
     return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
 
 
-def unpack_int4(packed: Tensor, in_features: int, affine: bool = False) -> Tensor:
-    """The inverse of ``pack_int4``: int8 [N, in_features]."""
+def unpack_int4(packed: Tensor, in_features: int) -> Tensor:
+    """The inverse of ``pack_int4``: int8 [N, in_features] in [0, 15]."""
     if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape[1] != -(-in_features // 2):
         raise QuasarError(f"unpack_int4: expected uint8 [N, {-(-in_features // 2)}], "
                           f"got {packed.dtype} {tuple(packed.shape)}")
-    bias = 0 if affine else 8
-    lo = (packed & 15).to(torch.int8) - bias
-    hi = (packed >> 4).to(torch.int8) - bias
+    lo = (packed & 15).to(torch.int8)
+    hi = (packed >> 4).to(torch.int8)
     return torch.stack([lo, hi], dim=2).view(packed.shape[0], -1)[:, :in_features].contiguous()
 
 
-def w4_weight_bytes(out_features: int, in_features: int, group: int, scale_bytes: int = 4,
-                    affine: bool = False) -> int:
-    """Bytes a step reads for one W4A8 weight: the nibbles, the group scales (and offsets)."""
-    per_group = scale_bytes * (2 if affine else 1)
-    return out_features * (-(-in_features // 2) + n_groups(in_features, group) * per_group)
+def w4_weight_bytes(out_features: int, in_features: int, group: int, scale_bytes: int = 4) -> int:
+    """Bytes a step reads for one W4A8 weight: the nibbles, each group's scale and offset."""
+    return out_features * (-(-in_features // 2) + n_groups(in_features, group) * 2 * scale_bytes)
