@@ -98,7 +98,7 @@ class LLM:
         """The verifier `name`, built (for w8a8: quantized or loaded from the cache, its kernels
         compiled or loaded) and warmed up with one step, once."""
         if name not in self._verifiers:
-            model = build_verifier(name, self._float_model, self._w8a8)
+            model = build_verifier(name, self._float_model, {"w8a8": self._w8a8, "w4a8": self._w4a8})
             step_cost.install_measured(model)  # what its rows cost on this CPU (a fused W8A8 step only)
             model.setup_cache(self.max_context, n_slots=self.max_batch)
             # One step now, so one-time work (loading the int8 kernels, packing weights) is
@@ -146,6 +146,11 @@ class LLM:
         from quasar.quant.verifier import w8a8_verifier
 
         return w8a8_verifier(self.loaded, self.quant)
+
+    def _w4a8(self) -> Transformer:
+        from quasar.quant.w4a8_verifier import w4a8_verifier
+
+        return w4a8_verifier(self.loaded)
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         if isinstance(prompt, str):

@@ -138,7 +138,7 @@ def test_eval_cli_all_tasks(tiny_dir, tmp_path, capsys) -> None:
     for name, entry in result["tasks"].items():
         assert {"fp", "pruned:0.5", "delta", "metric", "status"} <= set(entry), name
         if name == "fidelity":
-            assert entry["status"] == "unavailable"  # fidelity compares fp with w8a8 only
+            assert entry["status"] == "unavailable"  # fidelity compares fp with w8a8 or w4a8 only
             continue
         assert entry["status"] == "ok"
         assert entry["fp"] is not None and entry["pruned:0.5"] is not None

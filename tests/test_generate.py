@@ -34,7 +34,7 @@ def chat_llm(tmp_path_factory, default_model_dir):
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-@pytest.mark.parametrize("verifier", ["fp", "w8a8", "pruned:0.5"])
+@pytest.mark.parametrize("verifier", ["fp", "w8a8", "w4a8", "pruned:0.5"])
 def test_greedy_speculative_equals_autoregressive(char_llm, verifier, adaptive):
     accepted_any = False
     for prompt in REPETITIVE:
@@ -48,7 +48,7 @@ def test_greedy_speculative_equals_autoregressive(char_llm, verifier, adaptive):
     assert accepted_any, "no draft was ever accepted: the test did not exercise speculation"
 
 
-@pytest.mark.parametrize("verifier", ["fp", "w8a8"])
+@pytest.mark.parametrize("verifier", ["fp", "w8a8", "w4a8"])
 def test_greedy_tree_equals_autoregressive(char_llm, verifier):
     """Tree drafts (n-gram matches and recycled candidates, branching) change nothing in
     greedy output, whatever the budget."""
@@ -193,29 +193,29 @@ def test_chat_template_and_eos(chat_llm):
     assert r.stats["prompt_tokens"] == len(ids)
 
 
-def _empirical(llm, prompt, n, position, drafter, seed0):
+def _empirical(llm, prompt, n, position, drafter, seed0, verifier="fp"):
     counts = Counter()
     for s in range(n):
         r = llm.generate(prompt, raw=True, max_new_tokens=position + 1, temperature=1.3, seed=seed0 + s,
-                         drafter=drafter, num_draft=4, draft_budget=6)
+                         drafter=drafter, num_draft=4, draft_budget=6, verifier=verifier)
         if len(r.token_ids) > position:
             counts[r.token_ids[position]] += 1
     return counts
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["ngram", "tree"])
-def test_speculative_sampling_matches_plain_sampling(char_llm, drafter):
+@pytest.mark.parametrize("drafter, verifier", [("ngram", "fp"), ("tree", "fp"), ("ngram", "w4a8")])
+def test_speculative_sampling_matches_plain_sampling(char_llm, drafter, verifier):
     """Chi-square: the first token follows the verifier's distribution exactly, and the third
     token's distribution under speculative sampling (chains or trees) equals plain sampling's."""
     prompt = "abcabcabcab"
     ids = char_llm.encode(prompt, raw=True)
-    model = char_llm.verifier_model("fp")
+    model = char_llm.verifier_model(verifier)
     model.cache.length = 0
     probs = torch.softmax(model(torch.tensor([ids]), logits="last")[0, -1] / 1.3, -1).double().numpy()
 
     n = 800
-    first = _empirical(char_llm, prompt, n, 0, drafter, 10_000)
+    first = _empirical(char_llm, prompt, n, 0, drafter, 10_000, verifier)
     support = [t for t in range(len(probs)) if probs[t] * n >= 5]
     obs = np.array([first[t] for t in support] + [n - sum(first[t] for t in support)])
     exp = np.array([probs[t] * n for t in support] + [n - sum(probs[t] * n for t in support)])
@@ -224,8 +224,8 @@ def test_speculative_sampling_matches_plain_sampling(char_llm, drafter):
     exp = exp * obs.sum() / exp.sum()  # scipy wants equal totals to the last bit
     assert sps.chisquare(obs, exp).pvalue > 1e-3
 
-    spec = _empirical(char_llm, prompt, n, 2, drafter, 20_000)
-    plain = _empirical(char_llm, prompt, n, 2, "none", 30_000)
+    spec = _empirical(char_llm, prompt, n, 2, drafter, 20_000, verifier)
+    plain = _empirical(char_llm, prompt, n, 2, "none", 30_000, verifier)
     tokens = sorted(t for t in set(spec) | set(plain) if spec[t] + plain[t] >= 10)
     table = np.array([[spec[t] for t in tokens], [plain[t] for t in tokens]])
     assert sps.chi2_contingency(table).pvalue > 1e-3
@@ -233,7 +233,8 @@ def test_speculative_sampling_matches_plain_sampling(char_llm, drafter):
     # the test has power: a visibly different distribution (plain sampling at T=0.6) fails it
     cold = Counter()
     for s in range(n):
-        r = char_llm.generate(prompt, raw=True, max_new_tokens=3, temperature=0.6, seed=40_000 + s, drafter="none")
+        r = char_llm.generate(prompt, raw=True, max_new_tokens=3, temperature=0.6, seed=40_000 + s, drafter="none",
+                              verifier=verifier)
         cold[r.token_ids[2]] += 1
     tokens = sorted(t for t in set(spec) | set(cold) if spec[t] + cold[t] >= 10)
     table = np.array([[spec[t] for t in tokens], [cold[t] for t in tokens]])

@@ -33,7 +33,8 @@ def register(sub) -> None:
                     "Log-likelihood tasks (perplexity, mmlu, boolq) score the verifier's logits; generation "
                     "tasks (humaneval, asdiv) decode greedily in Quasar mode (n-gram drafter + the verifier).")
     p.add_argument("subtask", nargs="?", choices=["fidelity"],
-                   help="'fidelity': only float-vs-W8A8 fidelity (top-1 agreement, KL, perplexity)")
+                   help="'fidelity': only the fidelity of the float model against W8A8 (or, with "
+                        "--verifiers fp,w4a8, W4A8): top-1 agreement, KL, perplexity")
     add_model_args(p)
     p.add_argument("--tasks", default=_TASKS, help=f"comma-separated tasks (default: {_TASKS})")
     p.add_argument("--verifiers", default="fp,w8a8",
@@ -69,8 +70,9 @@ def run_eval(args) -> int:
     verifiers = parse_verifiers(args.verifiers)
     if args.subtask == "fidelity":
         tasks = ["fidelity"]
-        if verifiers != ["fp", "w8a8"]:
-            raise QuasarError("'quasar eval fidelity' compares fp with w8a8; drop --verifiers")
+        if verifiers not in (["fp", "w8a8"], ["fp", "w4a8"]):
+            raise QuasarError("'quasar eval fidelity' compares fp with w8a8 (the default) or w4a8 "
+                              "(--verifiers fp,w4a8)")
     else:
         tasks = parse_tasks(args.tasks)
     if not 0 <= args.shots <= 16:

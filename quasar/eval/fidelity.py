@@ -33,9 +33,6 @@ DEFAULT_WINDOW = 512
 
 LogitsFn = Callable[[list[int]], torch.Tensor]  # ids -> logits [len(ids), vocab]
 
-# compare_models' keys for the compared model, as `quasar eval fidelity` has always printed them
-_W8A8_KEYS = {"ppl": "ppl_w8a8", "seconds": "seconds_w8a8"}
-
 
 def fidelity_text(text_file: str | None = None) -> str:
     """The user's text file, else the held-out calibration text (never calibrated on)."""
@@ -146,25 +143,28 @@ def compare_logits(reference: LogitsFn, candidates: dict[str, LogitsFn], token_i
     } for name, t in tallies.items()}
 
 
-def compare_models(float_model, w8a8_model, token_ids: Sequence[int], window: int = DEFAULT_WINDOW,
-                   stride: int | None = None, limit: int | None = None, progress: bool = False) -> dict:
+def compare_models(float_model, quantized_model, token_ids: Sequence[int], window: int = DEFAULT_WINDOW,
+                   stride: int | None = None, limit: int | None = None, progress: bool = False,
+                   name: str = "w8a8") -> dict:
     """``compare_logits`` of two Transformers, the window capped by both contexts; see the
-    module docstring."""
-    ctx = min(float_model.config.max_position_embeddings, w8a8_model.config.max_position_embeddings)
+    module docstring. The second model's perplexity and time are keyed ``ppl_<name>`` and
+    ``seconds_<name>``."""
+    ctx = min(float_model.config.max_position_embeddings, quantized_model.config.max_position_embeddings)
     window = min(int(window), ctx)
     with ExitStack() as stack:
         reference = stack.enter_context(model_logits(float_model, window))
-        other = stack.enter_context(model_logits(w8a8_model, window))
-        scores = compare_logits(reference, {"w8a8": other}, token_ids, window, stride, limit, progress)
-    return {_W8A8_KEYS.get(k, k): v for k, v in scores["w8a8"].items()}
+        other = stack.enter_context(model_logits(quantized_model, window))
+        scores = compare_logits(reference, {name: other}, token_ids, window, stride, limit, progress)
+    keys = {"ppl": f"ppl_{name}", "seconds": f"seconds_{name}"}
+    return {keys.get(k, k): v for k, v in scores[name].items()}
 
 
 def run_fidelity(llm, text: str, window: int = DEFAULT_WINDOW, stride: int | None = None,
-                 limit: int | None = None, progress: bool = False) -> dict:
-    """``compare_models`` of an ``LLM``'s float model and its ``w8a8`` verifier on ``text``
-    (tokenized with its tokenizer), the window capped by the LLM's context; see there."""
+                 limit: int | None = None, progress: bool = False, verifier: str = "w8a8") -> dict:
+    """``compare_models`` of an ``LLM``'s float model and its `verifier` (w8a8 or w4a8) on
+    ``text`` (tokenized with its tokenizer), the window capped by the LLM's context."""
     if not isinstance(text, str):
         raise QuasarError("run_fidelity(llm, text): text must be a string")
     window = min(window, llm.max_context)
-    return compare_models(llm.model, llm.verifier_model("w8a8"), llm.tokenizer.encode(text), window, stride, limit,
-                          progress)
+    return compare_models(llm.model, llm.verifier_model(verifier), llm.tokenizer.encode(text), window, stride, limit,
+                          progress, name=verifier)

@@ -21,8 +21,6 @@ from quasar.eval.fidelity import DEFAULT_WINDOW, fidelity_text, run_fidelity
 from quasar.fileio import write_atomic
 from quasar.eval.tasks import FIDELITY, TASKS, EvalConfig, ppl_window
 
-FIDELITY_KEYS = ("top1_agreement", "kl_mean", "ppl_fp", "ppl_w8a8")
-
 
 def parse_verifiers(spec: str) -> list[str]:
     """'fp,w8a8' -> ['fp', 'w8a8']: one verifier, or two to compare (the first is the baseline)."""
@@ -74,12 +72,14 @@ def unavailable(task: str, metric: str, higher_is_better: bool, verifiers: Seque
 
 
 def fidelity_entry(llm, cfg: EvalConfig, verifiers: Sequence[str], progress: bool) -> dict:
-    if list(verifiers) != ["fp", "w8a8"]:
+    if list(verifiers) not in (["fp", "w8a8"], ["fp", "w4a8"]):
         return unavailable("fidelity", FIDELITY.metric, False, verifiers,
-                           "fidelity compares fp with w8a8 only (--verifiers fp,w8a8)")
+                           "fidelity compares fp with a quantized verifier (--verifiers fp,w8a8 or fp,w4a8)")
+    quantized = verifiers[1]
     raw = run_fidelity(llm, fidelity_text(cfg.text_file), window=cfg.window or DEFAULT_WINDOW, stride=cfg.stride,
-                       limit=cfg.limit if cfg.limit is not None and cfg.limit >= 0 else None, progress=progress)
-    metrics = {"fp": {"perplexity": raw.get("ppl_fp")}, "w8a8": {"perplexity": raw.get("ppl_w8a8")}}
+                       limit=cfg.limit if cfg.limit is not None and cfg.limit >= 0 else None, progress=progress,
+                       verifier=quantized)
+    metrics = {"fp": {"perplexity": raw.get("ppl_fp")}, quantized: {"perplexity": raw.get(f"ppl_{quantized}")}}
     entry = compare("fidelity", FIDELITY.metric, False, verifiers, metrics)
     for key in ("top1_agreement", "kl_mean"):
         entry[key] = raw.get(key)

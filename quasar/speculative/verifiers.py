@@ -1,7 +1,8 @@
-"""Verifier models built from the float model: `fp`, `w8a8`, `pruned:F`.
+"""Verifier models built from the float model: `fp`, `w8a8`, `w4a8`, `pruned:F`.
 
 Each verifier is its own Transformer (its own KV cache); `pruned:F` shares the float
-model's weights, `w8a8` is an int8 copy of the same module tree.
+model's weights, `w8a8` is an int8 copy of the same module tree, `w4a8` one with 4-bit
+layers where the model's file has them (quasar.quant.w4a8_verifier).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from torch import nn
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 
-VERIFIERS = ("fp", "w8a8", "pruned:F")
+VERIFIERS = ("fp", "w8a8", "w4a8", "pruned:F")
 
 
 def parse_verifier(name: str) -> tuple[str, float | None]:
     """'fp' -> ('fp', None); 'pruned:0.5' -> ('pruned', 0.5); anything else is an error."""
-    if name in ("fp", "w8a8"):
+    if name in ("fp", "w8a8", "w4a8"):
         return name, None
     if name.startswith("pruned:"):
         try:
@@ -57,15 +58,16 @@ def pruned_model(model: Transformer, fraction: float) -> Transformer:
 
 
 def build_verifier(name: str, float_model: Callable[[], Transformer],
-                   w8a8_factory: Callable[[], Transformer]) -> Transformer:
+                   quantized: dict[str, Callable[[], Transformer]]) -> Transformer:
     """The verifier `name`; `float_model` is called only for the verifiers built from the
-    float weights (fp, pruned:F), so the W8A8 verifier never makes them load."""
+    float weights (fp, pruned:F), so a quantized verifier (`quantized[name]`, w8a8 and w4a8)
+    never makes them load."""
     kind, frac = parse_verifier(name)
     if kind == "fp":
         return float_model()
     if kind == "pruned":
         return pruned_model(float_model(), frac)
-    return w8a8_factory()
+    return quantized[kind]()
 
 
 def model_bytes(model: Transformer) -> int:

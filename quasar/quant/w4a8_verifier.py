@@ -1,0 +1,105 @@
+"""The W4A8 verifier (issue #34): the model's own 4-bit groups where its GGUF file has them,
+int8 where it does not.
+
+A model that comes as a 4-bit GGUF is, dequantized, the float model Quasar decodes and
+measures against. Its Q4_0 / Q4_1 / Q4_K tensors are already affine int4 groups of 32
+(quasar.models.gguf_groups), so they become ``W4A8Linear`` layers holding those exact
+weights: rounding them again would lose twice. Tensors the file keeps wider (Q6_K, Q8_0,
+float: a Q4_K_M file's output head, half its value and down projections) stay 8-bit, as
+``Int8Linear`` (per-channel int8, per-token activations, 15-bit ones for the down
+projection, as the W8A8 verifier quantizes it). A model given as a float directory has no
+4-bit groups: its layers are rounded to symmetric int4 groups of 32 (round to nearest; the
+GPTQ pipeline for W4 is still to come), the output head to int8.
+
+Built in memory from the memory-mapped float weights and the GGUF file, a layer at a time
+(nothing is calibrated: seconds for the default model); not cached yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from quasar.errors import QuasarError
+from quasar.models.llama import Transformer
+from quasar.quant.int8 import Int8Linear
+from quasar.quant.options import DEFAULT_DOWN_ACT_BITS
+from quasar.quant.w4a8 import W4A8Linear
+
+GROUP = 32  # GGUF's 4-bit blocks hold groups of 32; float sources use the same
+LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+
+
+def gguf_source(loaded) -> Path | None:
+    """The GGUF file `loaded` (a LoadedModel) was converted from, or None (a directory)."""
+    if loaded.source == "default":
+        from quasar.data.packages import default_model_path
+
+        return Path(default_model_path())
+    path = Path(loaded.source).expanduser()
+    return path if path.suffix.lower() == ".gguf" else None
+
+
+def gguf_int4_groups(path: Path, cfg) -> dict[str, tuple]:
+    """{HF weight name: (q uint8 [out, in], scale, offset float32 [out, in / 32])} for every
+    4-bit matrix of GGUF file `path`, rows in Hugging Face order (llama.cpp's Q/K row
+    permutation undone for llama-family models; `cfg` is the model's ModelConfig)."""
+    from gguf import GGUFReader
+
+    from quasar.models.gguf import _hf_name, _unpermute
+    from quasar.models.gguf_groups import int4_groups
+
+    reader = GGUFReader(path)
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t, path)
+        if name is None or len(t.shape) != 2:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))
+        groups = int4_groups(t.data, t.tensor_type, shape)
+        if groups is None:
+            continue
+        parts = t.name.split(".")
+        if cfg.model_type in ("llama", "mistral") and parts[2:3] in (["attn_q"], ["attn_k"]):
+            heads = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
+            groups = tuple(_unpermute(a, heads) for a in groups)
+        out[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
+    return out
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def w4a8_verifier(loaded) -> Transformer:
+    """The W4A8 Transformer of `loaded` (a LoadedModel of a float directory or GGUF file)."""
+    from quasar.models.hf import load_hf_dir
+
+    if loaded.quantized:
+        raise QuasarError(f"{loaded.source} is a W8A8 checkpoint; the w4a8 verifier needs the float model "
+                          "(its directory or GGUF file)", param="verifier")
+    gguf = gguf_source(loaded)
+    groups = gguf_int4_groups(gguf, loaded.config) if gguf is not None else None
+    model = load_hf_dir(Path(loaded.model_dir), torch.float32)  # memory-mapped: a layer is read when replaced
+    names = [f"model.layers.{i}.{n}" for i in range(len(model.model.layers)) for n in LAYER_LINEARS]
+    with torch.inference_mode():
+        for name in names:
+            linear = model.get_submodule(name)
+            found = groups.pop(f"{name}.weight", None) if groups is not None else None
+            if found is not None:
+                q, scale, offset = found
+                layer = W4A8Linear.from_groups(q, scale, offset, GROUP, linear.bias)
+            elif groups is None:
+                layer = W4A8Linear.from_float(linear, GROUP)
+            else:
+                bits = DEFAULT_DOWN_ACT_BITS if name.endswith("mlp.down_proj") else 8
+                layer = Int8Linear.from_float(linear, act_bits=bits)
+            _set(model, name, layer)
+        model.lm_head = Int8Linear.from_float(model.lm_head)  # untied: the embedding stays float
+    model.quant_kind = "w4a8"
+    return model.eval()
