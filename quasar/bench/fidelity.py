@@ -106,8 +106,7 @@ def measure_fidelity(engines: list[Contender], llm, tokens: int = DEFAULT_FIDELI
 # --------------------------------------------------------------------------- matched quality
 
 # The peers nearest in quality to each Quasar verifier (the same bits a weight), for the
-# report's "matched quality" rows: (label, the peer engines of that model). A verifier
-# without a bench mode (w4a8, issue 34) pairs up as soon as a mode decodes with it.
+# report's "matched quality" rows: (label, the peer engines of that model).
 MATCHED_PEERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "w8a8": (("llama.cpp Q8_0 copy", ("llamacpp-q8", "llamacpp-pld-q8")),
              ("OpenVINO int8", ("openvino", "openvino-pld"))),

@@ -60,6 +60,8 @@ MODES: dict[str, tuple[str, str]] = {
     "quasar": ("ngram", "w8a8"),
     "quasar-tree": ("tree", "w8a8"),
     "ngram-pruned": ("ngram", "pruned:0.5"),
+    "ar-w4a8": ("none", "w4a8"),
+    "quasar-w4a8": ("ngram", "w4a8"),
 }
 DEFAULT_N = 5
 DEFAULT_REPEATS = 3
