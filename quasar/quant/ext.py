@@ -36,6 +36,12 @@ sums, so extra rows (drafts, batched sequences) cost little more than the first;
 attention over a bfloat16 KV cache (prompt chunks and verifier steps) uses AMX-BF16 tiles
 (:func:`amx_attention_supported`).
 
+W4A8 (issue #34, ``csrc/w4a8_*``): :func:`pack_w4` lays affine 4-bit weights out for
+streaming and :func:`w4a8_linear_op` computes ``w4a8_numerics.reference_linear_w4a8`` bit for
+bit on every path (portable, AVX2, AVX-VNNI, AVX512-VNNI; amx runs the AVX512-VNNI kernel).
+Its kernels pass a self-check of their own on first use; a wrong one disables only its
+path's W4A8 op (:func:`w4a8_kernel_path` names the path that runs).
+
 Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a
 compiler or ninja, on a failed build or load, or off POSIX, :func:`int8_linear_op` returns
 None and Int8Linear runs its pure-PyTorch path; the reason is logged once at debug level.
