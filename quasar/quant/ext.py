@@ -36,6 +36,12 @@ sums, so extra rows (drafts, batched sequences) cost little more than the first;
 attention over a bfloat16 KV cache (prompt chunks and verifier steps) uses AMX-BF16 tiles
 (:func:`amx_attention_supported`).
 
+W4A8 (issue #34, ``csrc/w4a8_*``): :func:`pack_w4` lays affine 4-bit weights out for
+streaming and :func:`w4a8_linear_op` computes ``w4a8_numerics.reference_linear_w4a8`` bit for
+bit on every path (portable, AVX2, AVX-VNNI, AVX512-VNNI; amx runs the AVX512-VNNI kernel).
+Its kernels pass a self-check of their own on first use; a wrong one disables only its
+path's W4A8 op (:func:`w4a8_kernel_path` names the path that runs).
+
 Fallback: with ``QUASAR_NO_EXT=1`` (read whenever a layer packs its weights), without a
 compiler or ninja, on a failed build or load, or off POSIX, :func:`int8_linear_op` returns
 None and Int8Linear runs its pure-PyTorch path; the reason is logged once at debug level.
@@ -88,6 +94,9 @@ __all__ = [
     "amx_min_rows",
     "bf16_kv_supported",
     "amx_attention_supported",
+    "pack_w4",
+    "w4a8_linear_op",
+    "w4a8_kernel_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -105,12 +114,13 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # digest covers every file listed.
 # cpu_features: the kernel path; int8_linear + gemm_*: the int8 GEMMs per path; decoder_layer:
 # the fused step's orchestration, step_*: its float kernels per path, attention_*: attention
-# over a bfloat16 cache; row_select: per-row argmax / top-k.
+# over a bfloat16 cache; row_select: per-row argmax / top-k; w4a8_*: the W4A8 GEMM (issue #34).
 SOURCES = tuple(CSRC / f for f in (
     "cpu_features.cpp", f"{NAME}.cpp", "gemm_avx2.cpp", "gemm_portable.cpp", "decoder_layer.cpp", "step_avx512.cpp",
-    "step_avx2.cpp", "step_portable.cpp", "attention_bf16.cpp", "attention_amx.cpp", "row_select.cpp"))
+    "step_avx2.cpp", "step_portable.cpp", "attention_bf16.cpp", "attention_amx.cpp", "row_select.cpp",
+    "w4a8_gemm.cpp", "w4a8_x86.cpp"))
 HEADERS = tuple(CSRC / f for f in ("cpu_features.h", "int8_gemm.h", "step_kernels.h", "step_vec8.inc", "head_dim.h",
-                                   "simd_avx512.h", "attention.h"))
+                                   "simd_avx512.h", "attention.h", "w4a8_gemm.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for
@@ -122,6 +132,7 @@ LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _op: Callable[..., torch.Tensor] | None = None
 _info: dict[str, Any] = {}  # empty until the first load attempt
+_w4_state: dict[str, Any] = {}  # empty until the W4A8 self-check ran (see _w4_check)
 
 
 def disabled() -> bool:
@@ -268,6 +279,38 @@ def amx_attention_supported() -> bool:
     """True when the decoder op attends over a bfloat16 cache (prompt chunks and verifier
     steps) with AMX-BF16 tiles here (False without the op)."""
     return bf16_kv_supported() and bool(torch.ops.quasar_quant.w8a8_amx_attention_supported())
+
+
+def pack_w4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor | None:
+    """Affine 4-bit weights (q int8 or uint8 [N, K] in [0, 15], float scales and offsets
+    [N, K / group], w = scale * q + offset; group 32, 64 or 128, K a multiple of it) in the
+    W4A8 op's streaming layout (uint8, 1-D; csrc/w4a8_gemm.h), or None without the library.
+    A bad shape or value is a RuntimeError naming it."""
+    if int8_linear_op() is None:
+        return None
+    return torch.ops.quasar_quant.w4_pack(q, scales, offsets, group)
+
+
+def w4a8_linear_op() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.quasar_quant.w4a8_linear`` (x float [..., K], packed (:func:`pack_w4`), N, K,
+    group, bias [N] or None) -> float32 [..., N], bitwise ``w4a8_numerics.reference_linear_w4a8``
+    on every kernel path; None without the library or when even its portable kernel failed
+    the W4A8 self-check. A path whose W4A8 kernel fails it is disabled alone (the op runs the
+    next lower one; the int8 ops keep it): see :func:`w4a8_kernel_path`."""
+    if int8_linear_op() is None:
+        return None
+    if not _w4_state:
+        _w4_check()
+    return torch.ops.quasar_quant.w4a8_linear if _w4_state.get("ok") else None
+
+
+def w4a8_kernel_path() -> str:
+    """The kernel path the W4A8 op runs now: the active one (:func:`kernel_path`; "amx" is
+    served by the avx512-vnni kernel), or the next lower one the self-check left on, or
+    "pytorch" without the op."""
+    if w4a8_linear_op() is None:
+        return PYTORCH_PATH
+    return str(torch.ops.quasar_quant.w4a8_kernel_path()) or PYTORCH_PATH
 
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:
@@ -445,3 +488,56 @@ def _self_check(op: Callable[..., torch.Tensor]) -> None:
                 got = op(x, w, ws, b, comp, u8, u8, tiles)
                 if not torch.equal(got, want):
                     raise RuntimeError(f"self-check mismatch (M={m}, bias={b is not None}, u8={u8})")
+
+
+def _w4_check() -> None:
+    """Runs each W4A8 kernel the CPU has on small cases against the reference, once per
+    process; a wrong one is disabled (a warning names it) and the op runs the next lower
+    path; a wrong portable kernel leaves no W4A8 op. The verdict lands in ``info()["w4a8"]``."""
+    with _lock:
+        if _w4_state:
+            return
+        disabled: list[str] = []
+        try:
+            fallback = "nothing (no W4A8 op)"  # the highest path checked so far that passed
+            for path in KERNEL_PATHS[:-1]:  # lowest first; amx runs the avx512-vnni kernel
+                if not torch.ops.quasar_quant.cpu_runs_path(path):
+                    continue
+                problem = _w4_mismatch(path)
+                if not problem:
+                    fallback = path
+                    continue
+                torch.ops.quasar_quant.w4a8_kernel_path(path)
+                disabled.append(path)
+                log.warning("W4A8 self-check: the %s kernel is wrong (%s); it is disabled, the W4A8 op "
+                            "runs %s instead", path, problem, fallback)
+            ok = "portable" not in disabled
+            _w4_state.update(ok=ok, disabled=disabled)
+        except Exception as exc:  # e.g. a library without the W4A8 ops
+            _w4_state.update(ok=False, disabled=disabled, error=f"{type(exc).__name__}: {exc}")
+            log.warning("W4A8 op unavailable: %s", _w4_state["error"])
+        _info["w4a8"] = dict(_w4_state)
+
+
+def _w4_mismatch(path: str) -> str:
+    """The first case where ``path``'s W4A8 kernel differs from the reference ("" if none):
+    padded vectors, every group size, row counts that cut each kernel's row passes, the
+    extremes (nibbles 15, activations at +-127), with and without bias."""
+    from quasar.quant.w4a8_numerics import reference_linear_w4a8
+
+    gen = torch.Generator().manual_seed(34)
+    for n, k, group in ((19, 96, 32), (21, 128, 64), (16, 256, 128)):
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
+        q[0] = 15
+        scales = torch.rand(n, k // group, generator=gen) / 10
+        offsets = torch.randn(n, k // group, generator=gen) / 10
+        bias = torch.randn(n, generator=gen)
+        packed = torch.ops.quasar_quant.w4_pack(q, scales, offsets, group)
+        for m in (1, 3, 7):
+            x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, m)[:, None]
+            x[0, : k // 2], x[0, k // 2:] = 1.0, -1.0  # q = +-127 against nibbles 15
+            for b in (bias, None):
+                got = torch.ops.quasar_quant.w4a8_linear(x, packed, n, k, group, b, path)
+                if not torch.equal(got, reference_linear_w4a8(x, q, scales, offsets, b, group)):
+                    return f"N={n}, K={k}, group={group}, M={m}, bias={b is not None}"
+    return ""

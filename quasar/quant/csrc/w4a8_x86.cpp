@@ -1,0 +1,235 @@
+// The W4A8 kernels for x86: AVX2, AVX-VNNI (256-bit) and AVX512-VNNI (512-bit; the amx
+// kernel path runs this one too: a W4A8 step is one pass over streamed weights, where tile
+// multiplies would gain nothing). Layout and contract: w4a8_gemm.h.
+//
+// Per step (8 columns of 16 lanes, 64 bytes) the nibbles are unpacked in registers: w & 0x0F
+// is columns k0..k0+3 of each lane, (w >> 4) & 0x0F columns k0+4..k0+7 (a 16-bit shift is
+// fine: the mask drops the bits that cross bytes). Both are u8 operands as they are; the
+// activations, broadcast 4 bytes at a time, are the s8 operands. The group's int32 sums S
+// are exact on every path and the epilogue is the reference's order with separate roundings
+// (mul, then add; the library is built with -ffp-contract=off and uses no FMA intrinsic):
+//   acc = (acc + (float(S) * sx) * scale) + xs * offset
+// Rows come R at a time (template R): a weight load and its unpacking serve all R rows, and
+// only the first pass over a vector reads it from memory (the next ones find it in L1/L2).
+// The one-row pass prefetches the stream kPrefetchBytes ahead (as gemm_avx2.cpp does):
+// these kernels spend several instructions per 64-byte line, so the out-of-order window
+// alone keeps few lines in flight.
+#include "w4a8_gemm.h"
+
+#include <cstring>
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+
+namespace quasar {
+namespace {
+
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline int32_t load_u32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
+// ------------------------------------------------------------------ AVX2
+// No u8 x s8 dot product into int32 lanes: vpmaddubsw (u8 x s8 pairs into saturating int16)
+// and vpmaddwd with ones (int16 pairs into int32). Exact here, proof: a nibble is at most 15
+// and |q_x| at most 128 (the quantizer gives |q_x| <= 127), so one vpmaddubsw pair is at most
+// 2 * 15 * 128 = 3,840 in magnitude and never saturates; a step adds two such results (its
+// low and high nibbles) into the int16 accumulator, and kStepsPerFlush = 4 steps add eight:
+// at most 8 * 3,840 = 30,720 <= 32,767, so the int16 adds never wrap either. Then vpmaddwd
+// with ones widens to int32 (exact) and the accumulator restarts; group / 8 steps is 4, 8 or
+// 16, a multiple of 4, so flushes never straddle groups.
+constexpr int64_t kStepsPerFlush = 4;
+
+template <int R>
+__attribute__((target("avx2,fma"))) void rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a,
+                                                   float* out) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = vec + g * gbytes;
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    for (int64_t s0 = 0; s0 < steps; s0 += kStepsPerFlush) {
+      __m256i h16[R][2];
+      for (int r = 0; r < R; ++r) h16[r][0] = h16[r][1] = _mm256_setzero_si256();
+      for (int64_t st = s0; st < s0 + kStepsPerFlush; ++st) {
+        const uint8_t* c = p + 64 * st;
+        if (R == 1) prefetch(c + kPrefetchBytes);
+        __m256i xa[R], xb[R];
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
+          xa[r] = _mm256_set1_epi32(load_u32(x));
+          xb[r] = _mm256_set1_epi32(load_u32(x + 4));
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * h));
+          const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          for (int r = 0; r < R; ++r)
+            h16[r][h] = _mm256_add_epi16(h16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[r]),
+                                                                      _mm256_maddubs_epi16(hi, xb[r])));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(h16[r][h], ones));
+    }
+    const uint8_t* so = p + 8 * group;  // 16 scales, then 16 offsets
+    if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 32 * h));
+      const __m256 of = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 64 + 32 * h));
+      for (int r = 0; r < R; ++r) {
+        const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
+        const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
+        acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], t), _mm256_mul_ps(xs, of));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
+}
+
+// ------------------------------------------------------------------ AVX-VNNI
+#if __GNUC__ >= 11 || defined(__clang__)
+#define QUASAR_W4_AVX_VNNI 1
+// 256-bit vpdpbusd: u8 nibbles x s8 activations, four products summed into each int32 lane,
+// exact (no +128 shift of the activations, so no compensation term).
+template <int R>
+__attribute__((target("avx2,fma,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group,
+                                                               const W4Acts& a, float* out) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = vec + g * gbytes;
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    for (int64_t st = 0; st < steps; ++st) {
+      const uint8_t* c = p + 64 * st;
+      if (R == 1) prefetch(c + kPrefetchBytes);
+      __m256i xa[R], xb[R];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
+        xa[r] = _mm256_set1_epi32(load_u32(x));
+        xb[r] = _mm256_set1_epi32(load_u32(x + 4));
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * h));
+        const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int r = 0; r < R; ++r)
+          s[r][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][h], lo, xa[r]), hi, xb[r]);
+      }
+    }
+    const uint8_t* so = p + 8 * group;
+    if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 32 * h));
+      const __m256 of = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 64 + 32 * h));
+      for (int r = 0; r < R; ++r) {
+        const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
+        const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
+        acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], t), _mm256_mul_ps(xs, of));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
+}
+#endif
+
+// ------------------------------------------------------------------ AVX512-VNNI
+// One zmm per step: 16 lanes x 4 columns per vpdpbusd. The low and high nibbles go into two
+// int32 accumulators per row (two dependency chains, added exactly at the group's end).
+// Registers: 3 R accumulators + 8 others, at most 26 of 32 for R = 6.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
+                                                                         int64_t group, const W4Acts& a,
+                                                                         float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = vec + g * gbytes;
+    __m512i sl[R], sh[R];
+    for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
+    for (int64_t st = 0; st < steps; ++st) {
+      const uint8_t* c = p + 64 * st;
+      if (R == 1) prefetch(c + kPrefetchBytes);
+      const __m512i w = _mm512_loadu_si512(c);
+      const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
+        sl[r] = _mm512_dpbusd_epi32(sl[r], lo, _mm512_set1_epi32(load_u32(x)));
+        sh[r] = _mm512_dpbusd_epi32(sh[r], hi, _mm512_set1_epi32(load_u32(x + 4)));
+      }
+    }
+    const uint8_t* so = p + 8 * group;
+    if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
+    const __m512 sc = _mm512_loadu_ps(so), of = _mm512_loadu_ps(so + 64);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(a.sx[r * a.ldg + g]), xs = _mm512_set1_ps(a.xs[r * a.ldg + g]);
+      const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sl[r], sh[r])), sx), sc);
+      acc[r] = _mm512_add_ps(_mm512_add_ps(acc[r], t), _mm512_mul_ps(xs, of));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kW4Lanes, acc[r]);
+}
+
+using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const W4Acts&, float*);
+
+}  // namespace
+
+constexpr int64_t kAvx2Rows = 2;  // 6 R int accumulators + 2 R float ones + 7 others: spills past 2
+
+void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out) {
+  static constexpr RowsFn kFns[kAvx2Rows] = {rows_avx2<1>, rows_avx2<2>};
+  kFns[rows - 1](vec, K, group, a, out);
+}
+
+void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out) {
+#ifdef QUASAR_W4_AVX_VNNI
+  static constexpr RowsFn kFns[4] = {rows_avx_vnni<1>, rows_avx_vnni<2>, rows_avx_vnni<3>, rows_avx_vnni<4>};
+  kFns[rows - 1](vec, K, group, a, out);
+#else
+  (void)vec, (void)K, (void)group, (void)a, (void)rows, (void)out;
+  __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
+#endif
+}
+
+void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out) {
+  static constexpr RowsFn kFns[kW4MaxRows] = {rows_avx512<1>, rows_avx512<2>, rows_avx512<3>,
+                                              rows_avx512<4>, rows_avx512<5>, rows_avx512<6>};
+  kFns[rows - 1](vec, K, group, a, out);
+}
+
+int64_t w4_max_rows(KernelPath path) {
+  switch (path) {
+    case KernelPath::kAmx:
+    case KernelPath::kAvx512Vnni: return kW4MaxRows;
+    case KernelPath::kAvxVnni: return 4;  // 4 R accumulators + 6 others of 16 ymm
+    case KernelPath::kAvx2: return kAvx2Rows;
+    case KernelPath::kPortable: return kW4MaxRows;
+  }
+  return 1;
+}
+
+}  // namespace quasar
+
+#else  // not x86: these paths never run (cpu_runs is false), but the library links
+
+namespace quasar {
+void w4_rows_avx2(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*) { __builtin_trap(); }
+void w4_rows_avx_vnni(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*) { __builtin_trap(); }
+void w4_rows_avx512_vnni(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*) { __builtin_trap(); }
+int64_t w4_max_rows(KernelPath) { return kW4MaxRows; }
+}  // namespace quasar
+
+#endif
