@@ -4,7 +4,8 @@ token and group, exact integer group sums (quasar.quant.w4a8_numerics is the con
 State: ``qweight`` uint8 [out, ceil(in / 2)] (two weights a byte, ``pack_int4``), ``scales``
 and ``offsets`` float32 [out, groups] (w = scale * q + offset), optional ``bias``. The C++
 op (quasar.quant.ext, when built) packs them once more into its own streaming layout on the
-first forward; without it the layer runs the float64 reference, the same bits, slowly.
+first forward; without it (or for a row of ragged groups) the layer runs the float64
+reference, the same bits, slowly.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class W4A8Linear(nn.Module):
         """The C++ op and this weight in its layout (packed on first use), or None."""
         from quasar.quant import ext
 
-        op = ext.w4a8_linear_op() if hasattr(ext, "w4a8_linear_op") else None
+        op = ext.w4a8_linear_op() if self.in_features % self.group == 0 else None  # the op takes whole groups
         if op is None:
             return None
         key = (self.qweight.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr())
