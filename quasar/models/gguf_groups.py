@@ -22,6 +22,13 @@ from quasar.errors import QuasarError
 GROUP = 32  # weights per group in every 4-bit GGUF type read here
 
 
+def is_int4_type(tensor_type) -> bool:
+    """Whether ``int4_groups`` reads tensors of this GGUF type (Q4_0, Q4_1, Q4_K)."""
+    from gguf import GGMLQuantizationType as T
+
+    return tensor_type in (T.Q4_0, T.Q4_1, T.Q4_K)
+
+
 def int4_groups(data: np.ndarray, tensor_type, shape: tuple[int, int]):
     """(q uint8 [rows, cols] in [0, 15], scale, offset float32 [rows, cols / 32]) of a 4-bit
     GGUF matrix given as the reader gives it (``t.data``, ``t.tensor_type``, HF shape

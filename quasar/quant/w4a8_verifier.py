@@ -17,6 +17,8 @@ Built in memory from the memory-mapped float weights and the GGUF file, a layer 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,31 +46,34 @@ def gguf_source(loaded) -> Path | None:
     return path if path.suffix.lower() == ".gguf" else None
 
 
-def gguf_int4_groups(path: Path, cfg) -> dict[str, tuple]:
-    """{HF weight name: (q uint8 [out, in], scale, offset float32 [out, in / 32])} for every
-    4-bit matrix of GGUF file `path`, rows in Hugging Face order (llama.cpp's Q/K row
-    permutation undone for llama-family models; `cfg` is the model's ModelConfig)."""
+def gguf_int4_groups(path: Path, cfg) -> dict[str, Callable[[], tuple]]:
+    """{HF weight name: a function giving (q uint8 [out, in], scale, offset float32
+    [out, in / 32])} for every 4-bit matrix of GGUF file `path`, rows in Hugging Face order
+    (llama.cpp's Q/K row permutation undone for llama-family models; `cfg` is the model's
+    ModelConfig). Each is unpacked only when asked for, so a build holds one at a time."""
     from gguf import GGUFReader
 
-    from quasar.models.gguf import _hf_name, _unpermute
-    from quasar.models.gguf_groups import int4_groups
+    from quasar.models.gguf import _hf_name
+    from quasar.models.gguf_groups import is_int4_type
 
     reader = GGUFReader(path)
     out = {}
     for t in reader.tensors:
         name = _hf_name(t, path)
-        if name is None or len(t.shape) != 2:
-            continue
-        shape = tuple(int(d) for d in reversed(t.shape))
-        groups = int4_groups(t.data, t.tensor_type, shape)
-        if groups is None:
-            continue
-        parts = t.name.split(".")
-        if cfg.model_type in ("llama", "mistral") and parts[2:3] in (["attn_q"], ["attn_k"]):
-            heads = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
-            groups = tuple(_unpermute(a, heads) for a in groups)
-        out[name] = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
+        if name is not None and len(t.shape) == 2 and is_int4_type(t.tensor_type):
+            out[name] = functools.partial(_read_groups, t, cfg)
     return out
+
+
+def _read_groups(t, cfg) -> tuple:
+    from quasar.models.gguf import _unpermute
+    from quasar.models.gguf_groups import int4_groups
+
+    groups = int4_groups(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
+    role = t.name.split(".")[2:3]
+    if cfg.model_type in ("llama", "mistral") and role in (["attn_q"], ["attn_k"]):
+        groups = tuple(_unpermute(a, cfg.num_heads if role == ["attn_q"] else cfg.num_kv_heads) for a in groups)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -92,7 +97,7 @@ def w4a8_verifier(loaded) -> Transformer:
             linear = model.get_submodule(name)
             found = groups.pop(f"{name}.weight", None) if groups is not None else None
             if found is not None:
-                q, scale, offset = found
+                q, scale, offset = found()
                 layer = W4A8Linear.from_groups(q, scale, offset, GROUP, linear.bias)
             elif groups is None:
                 layer = W4A8Linear.from_float(linear, GROUP)
