@@ -15,8 +15,8 @@ lower one). A benchmark: run it on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import importlib.util
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -31,21 +31,11 @@ SHAPES = [
 
 
 def _time(fns: dict[str, Callable[[], object]], rounds: int, budget_s: float) -> dict[str, float]:
-    """Median seconds per call, the callables interleaved, each ~budget_s a round."""
-    reps = {}
-    for name, fn in fns.items():
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        reps[name] = max(1, int(budget_s / max(time.perf_counter() - t0, 1e-7)))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            for _ in range(reps[name]):
-                t0 = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    """Median seconds per call, the callables interleaved (scripts/bench_kernels.py's timer)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).with_name("bench_kernels.py"))
+    bench_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_kernels)
+    return bench_kernels._time(fns, rounds, budget_s)
 
 
 def _calls(n: int, k: int, m: int, group: int) -> tuple[dict[str, Callable[[], object]], dict[str, int]]:

@@ -120,7 +120,7 @@ SOURCES = tuple(CSRC / f for f in (
     "step_avx2.cpp", "step_portable.cpp", "attention_bf16.cpp", "attention_amx.cpp", "row_select.cpp",
     "w4a8_gemm.cpp", "w4a8_x86.cpp"))
 HEADERS = tuple(CSRC / f for f in ("cpu_features.h", "int8_gemm.h", "step_kernels.h", "step_vec8.inc", "head_dim.h",
-                                   "simd_avx512.h", "attention.h", "w4a8_gemm.h"))
+                                   "simd_avx512.h", "attention.h", "w4a8_gemm.h", "activation_quant.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for

@@ -9,6 +9,7 @@
 // Each row is computed alone (its sums are exact and its float operations never involve
 // another row), so a row's output does not depend on M. Layout and kernels: w4a8_gemm.h.
 #include "w4a8_gemm.h"
+#include "activation_quant.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -62,43 +63,18 @@ namespace {
 using quasar::KernelPath;
 
 // ------------------------------------------------------------------ activations
-inline uint32_t float_bits(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
-}
-
-inline float bits_float(uint32_t b) {
-  float v;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-}
-
-// Round half to even for |v| < 2**22 (|x / sx| <= 127 here), NaN -> 0: as int8_linear.cpp's.
-inline int32_t round_to_int(float v) {
-  constexpr float kMagic = 12582912.0f;  // 1.5 * 2**23
-  const float r = (v + kMagic) - kMagic;
-  return r == r ? static_cast<int32_t>(r) : 0;
-}
-
 // quantize_activation_groups for x [M, K] (K a multiple of group): q int8 [M, K], sx and xs
-// [M, K / group]. amax by the bit patterns (non-negative floats order like their bits; NaN
-// sorts above inf, so it propagates as torch.amax's does), clamped to float(127 * 1e-12)
-// and divided by 127 in float, as quantize_activation's clamp_min_ / div_.
+// [M, K / group]; each group quantized as int8_linear.cpp quantizes a row (activation_quant.h).
 void quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs) {
-  const float min_amax = static_cast<float>(127.0 * 1e-12);
   const int64_t groups = K / group;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const float* r = x + m * K + g * group;
-      uint32_t mb = 0;
-      for (int64_t k = 0; k < group; ++k) mb = std::max(mb, float_bits(r[k]) & 0x7fffffffu);
-      const float amax = bits_float(mb);
-      const float s = (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / 127.0f;
+      const float s = quasar::row_scale(r, group, 127.0);
       int32_t sum = 0;
       int8_t* o = q + m * K + g * group;
       for (int64_t k = 0; k < group; ++k) {
-        const int32_t v = round_to_int(r[k] / s);
+        const int32_t v = quasar::round_to_int(r[k] / s);
         o[k] = static_cast<int8_t>(v);
         sum += v;
       }
