@@ -34,6 +34,24 @@ inline int32_t load_u32(const int8_t* p) {
 
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
+// A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
+// at `so` (after its nibbles), the exact sums s of R rows, into their accumulators.
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void group_epilogue_256(const uint8_t* so, const W4Acts& a,
+                                                                                int64_t g, const __m256i (&s)[R][2],
+                                                                                __m256 (&acc)[R][2]) {
+  if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 32 * h));
+    const __m256 of = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 64 + 32 * h));
+    for (int r = 0; r < R; ++r) {
+      const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
+      const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
+      acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], t), _mm256_mul_ps(xs, of));
+    }
+  }
+}
+
 // ------------------------------------------------------------------ AVX2
 // No u8 x s8 dot product into int32 lanes: vpmaddubsw (u8 x s8 pairs into saturating int16)
 // and vpmaddwd with ones (int16 pairs into int32). Exact here, proof: a nibble is at most 15
@@ -79,17 +97,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const uint8_t* vec, int64_t K
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(h16[r][h], ones));
     }
-    const uint8_t* so = p + 8 * group;  // 16 scales, then 16 offsets
-    if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 32 * h));
-      const __m256 of = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 64 + 32 * h));
-      for (int r = 0; r < R; ++r) {
-        const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
-        const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
-        acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], t), _mm256_mul_ps(xs, of));
-      }
-    }
+    group_epilogue_256<R>(p + 8 * group, a, g, s, acc);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
@@ -127,17 +135,7 @@ __attribute__((target("avx2,fma,avxvnni"))) void rows_avx_vnni(const uint8_t* ve
           s[r][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][h], lo, xa[r]), hi, xb[r]);
       }
     }
-    const uint8_t* so = p + 8 * group;
-    if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 32 * h));
-      const __m256 of = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 64 + 32 * h));
-      for (int r = 0; r < R; ++r) {
-        const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
-        const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
-        acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], t), _mm256_mul_ps(xs, of));
-      }
-    }
+    group_epilogue_256<R>(p + 8 * group, a, g, s, acc);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
