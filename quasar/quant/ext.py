@@ -114,13 +114,15 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # digest covers every file listed.
 # cpu_features: the kernel path; int8_linear + gemm_*: the int8 GEMMs per path; decoder_layer:
 # the fused step's orchestration, step_*: its float kernels per path, attention_*: attention
-# over a bfloat16 cache; row_select: per-row argmax / top-k; w4a8_*: the W4A8 GEMM (issue #34).
+# over a bfloat16 cache; row_select: per-row argmax / top-k; w4a8_*: the W4A8 GEMM (issue #34);
+# step_linears: the fused step's linears (Int8Linear and W4A8Linear in any mix).
 SOURCES = tuple(CSRC / f for f in (
     "cpu_features.cpp", f"{NAME}.cpp", "gemm_avx2.cpp", "gemm_portable.cpp", "decoder_layer.cpp", "step_avx512.cpp",
     "step_avx2.cpp", "step_portable.cpp", "attention_bf16.cpp", "attention_amx.cpp", "row_select.cpp",
-    "w4a8_gemm.cpp", "w4a8_x86.cpp"))
+    "w4a8_gemm.cpp", "w4a8_x86.cpp", "step_linears.cpp"))
 HEADERS = tuple(CSRC / f for f in ("cpu_features.h", "int8_gemm.h", "step_kernels.h", "step_vec8.inc", "head_dim.h",
-                                   "simd_avx512.h", "attention.h", "w4a8_gemm.h", "activation_quant.h"))
+                                   "simd_avx512.h", "attention.h", "w4a8_gemm.h", "activation_quant.h",
+                                   "step_linears.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for

@@ -70,15 +70,24 @@ AMX_PASS_ROWS = 16
 VNNI_PASS_ROWS = 6
 
 
-def int8_weight_bytes(model: nn.Module) -> int:
-    """Bytes of `model`'s int8 weights (every Int8Linear's in x out): what a step streams."""
-    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int8Linear))
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s quantized weights, what a step streams: every Int8Linear's in x out,
+    every W4A8Linear's in x out / 2 and its groups' scales and offsets (float32)."""
+    from quasar.quant.w4a8 import W4A8Linear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            total += m.in_features * m.out_features
+        elif isinstance(m, W4A8Linear):
+            total += m.in_features * m.out_features // 2 + 8 * m.scales.numel()
+    return total
 
 
 def prior_row_cost(model: nn.Module | None = None) -> float:
     """What one more row costs a fused W8A8 step of `model` on this kernel path before it is
     measured (Transformer.row_cost), as a fraction of a one-row step: the path's cost on the
-    default model, scaled down as sqrt(135 MB / the model's int8 weight bytes) (at most 4x)."""
+    default model, scaled down as sqrt(135 MB / the model's weight bytes) (at most 4x)."""
     from quasar.defaults import DEFAULT_ROW_COST
     from quasar.quant import ext
 
@@ -93,8 +102,8 @@ def prior_row_cost(model: nn.Module | None = None) -> float:
         return DEFAULT_ROW_COST
     if model is None:
         return base
-    weight_bytes = int8_weight_bytes(model)
-    return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(weight_bytes, 1)) ** 0.5))
+    streamed = weight_bytes(model)
+    return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(streamed, 1)) ** 0.5))
 
 
 def prior_pass_rows() -> int | None:
@@ -110,11 +119,11 @@ def prior_pass_rows() -> int | None:
 def key_cost(model: nn.Module) -> float:
     """A one-row fused step's extra time per cached key, as a fraction of its time without
     context (Transformer.key_cost): both stream from memory, so the ratio of a key's K/V bytes
-    (every layer, in the KV cache's dtype) to the int8 weight bytes."""
+    (every layer, in the KV cache's dtype) to the quantized weight bytes (weight_bytes)."""
     cfg = model.config
     elem = torch.finfo(model.kv_dtype or torch.float32).bits // 8
     key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-    return key_bytes / max(int8_weight_bytes(model), 1)
+    return key_bytes / max(weight_bytes(model), 1)
 
 
 # ---------------------------------------------------------------- measured
@@ -152,7 +161,7 @@ def _cache_key(model: nn.Module, path: str) -> str:
     cfg = model.config
     parts = (_VERSION, path, ext.build_dir().name, torch.get_num_threads(), cfg.hidden_size, cfg.num_layers,
              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, str(model.kv_dtype),
-             int8_weight_bytes(model), PROBE_ROWS)
+             weight_bytes(model), PROBE_ROWS)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 

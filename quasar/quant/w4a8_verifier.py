@@ -27,6 +27,7 @@ from torch import nn
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
+from quasar.quant import fused_step
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.options import DEFAULT_DOWN_ACT_BITS
 from quasar.quant.w4a8 import W4A8Linear
@@ -107,4 +108,5 @@ def w4a8_verifier(loaded) -> Transformer:
             _set(model, name, layer)
         model.lm_head = Int8Linear.from_float(model.lm_head)  # untied: the embedding stays float
     model.quant_kind = "w4a8"
+    fused_step.install(model)  # verifier steps in one C++ call, as W8A8's
     return model.eval()

@@ -1,24 +1,27 @@
-// All decoder layers of a W8A8 model for a verifier-sized step, in one call
+// All decoder layers of a W8A8 or W4A8 model for a verifier-sized step, in one call
 // (see quasar/quant/fused_step.py, which decides when it is used).
 //
 // Why: at 135M parameters a step of 1..9 tokens spends more time in ~50 small ATen ops per
 // layer (norms, RoPE, a scaled-dot-product call per query, residuals, dispatch) than in
 // its int8 GEMMs. This op runs the layer's glue as plain loops between the same small-M
-// VNNI GEMMs Int8Linear uses (int8_gemm.h), so a step costs little more than the bytes of
-// its weights.
+// VNNI GEMMs Int8Linear uses (int8_gemm.h) and the W4A8 kernels W4A8Linear uses
+// (w4a8_gemm.h), so a step costs little more than the bytes of its weights.
 //
 // Layer (Llama family, T <= kMaxRows rows: chains or token trees in one or more cache
 // slots, float32 activations):
-//   h = rmsnorm(x) * w_in; q, k, v = W8A8(h) (one quantization, one parallel GEMM for
-//   all rows); optional per-head q/k rmsnorm (Qwen3); RoPE; each row's k, v written to its
-//   slot past the slot's committed length; attention of each row over its slot's committed
-//   keys and then its path (for a chain: keys [0, start + i]); x += W8A8_o(attn);
-//   h = rmsnorm(x) * w_post; x += W8A8_down(silu(W8A8_gate(h)) * W8A8_up(h)).
+//   h = rmsnorm(x) * w_in; q, k, v = W(h) (one quantization per form, one parallel GEMM
+//   phase for all rows); optional per-head q/k rmsnorm (Qwen3); RoPE; each row's k, v
+//   written to its slot past the slot's committed length; attention of each row over its
+//   slot's committed keys and then its path (for a chain: keys [0, start + i]);
+//   x += W_o(attn);
+//   h = rmsnorm(x) * w_post; x += W_down(silu(W_gate(h)) * W_up(h)).
 // The cache is float32, or bfloat16: with AVX512-BF16 attend_group_bf16 takes bf16
 // products, float32 softmax and sums (ARCHITECTURE.md, "The KV cache in bfloat16"); below
 // the AVX512 paths the 8-float kernels widen the stored bf16 to float32.
-// A linear with act_bits 15 (by default the down projection) quantizes its input to 15
-// bits and runs two int8 products over the same weight chunk (small_m_gemm_split).
+// Each linear is an Int8Linear or a W4A8Linear, in any mix (step_linears.h: an input is
+// quantized once per form its linears need). An Int8Linear with act_bits 15 (by default the
+// down projection) quantizes its input to 15 bits and runs two int8 products over the same
+// weight chunk (small_m_gemm_split).
 // Every row is computed on its own, in a fixed order, whatever T is: a token's result is
 // bitwise the same whether it is verified alone or with drafts (row invariance), which is
 // what keeps greedy speculative output identical to greedy autoregressive output.
@@ -26,13 +29,13 @@
 // only close: tests compare logits within a tolerance.
 //
 // Runs on every kernel path (cpu_features.h): this file is the step's orchestration, written
-// once (phases, barriers, the work split); the GEMMs come from int8_gemm.h, the float
+// once (phases, barriers, the work split); the GEMMs come from step_linears.h, the float
 // kernels of the active path from step_kernels.h (AVX512: step_avx512.cpp; AVX2 and plain
 // C++: step_vec8.inc), attention over a bfloat16 cache from attention.h.
 
-#include "int8_gemm.h"
 #include "attention.h"
 #include "step_kernels.h"
+#include "step_linears.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -90,60 +93,6 @@ const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
   return t.data_ptr<float>();
 }
 
-// One Int8Linear's buffers as a GEMM segment writing columns [col, col + N).
-quasar::Int8Segment segment(const at::Tensor& w, const at::Tensor& tiles, const at::Tensor& scale,
-                            const std::optional<at::Tensor>& bias, const at::Tensor& comp,
-                            int64_t in_features, int64_t col) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() &&
-                  w.size(1) == in_features,
-              "w8a8_decoder_layers: weight must be a contiguous int8 [N, ", in_features, "]");
-  const int64_t n = w.size(0);
-  TORCH_CHECK(comp.scalar_type() == at::kInt && comp.is_contiguous() && comp.numel() == n,
-              "w8a8_decoder_layers: comp must be int32 [N]");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) b = float_data(*bias, n, "bias");
-  TORCH_CHECK(tiles.scalar_type() == at::kChar && tiles.is_contiguous() &&
-                  tiles.numel() == quasar::tiled_bytes(n, in_features),
-              "w8a8_decoder_layers: tiles must be the weight packed by int8_pack_tiles");
-  return {tiles.data_ptr<int8_t>(), n, comp.data_ptr<int32_t>(), float_data(scale, n, "weight_scale"),
-          b, col};
-}
-
-// The linears of one layer as GEMM segments, checked against the head layout.
-struct LayerGemms {
-  quasar::Int8Segment qkv[3], o, gate_up[2], down;
-  int64_t inter;
-  int64_t bits_qkv, bits_o, bits_gate_up, bits_down;  // activation bits (8 or 15)
-};
-
-LayerGemms layer_gemms(at::TensorList weights, at::TensorList tiles, at::TensorList scales,
-                       const c10::List<std::optional<at::Tensor>>& biases, at::TensorList comps,
-                       at::IntArrayRef act_bits, int64_t base, int64_t H, int64_t nq, int64_t nkv) {
-  const auto w = [&](int64_t i) { return weights[base + i]; };
-  const auto seg = [&](int64_t i, int64_t in_features, int64_t col) {
-    return segment(weights[base + i], tiles[base + i], scales[base + i], biases.get(base + i), comps[base + i],
-                   in_features, col);
-  };
-  const int64_t inter = w(4).size(0);
-  TORCH_CHECK(w(0).size(0) == nq && w(1).size(0) == nkv && w(2).size(0) == nkv && w(3).size(0) == H &&
-                  w(5).size(0) == inter && w(6).size(0) == H,
-              "w8a8_decoder_layers: linear shapes do not match the heads");
-  const auto bits = [&](int64_t i) { return act_bits[base + i]; };
-  for (int64_t i = 0; i < 7; ++i)
-    TORCH_CHECK(bits(i) == 8 || bits(i) == 15, "w8a8_decoder_layers: act_bits must be 8 or 15");
-  TORCH_CHECK(bits(0) == bits(1) && bits(1) == bits(2) && bits(4) == bits(5),
-              "w8a8_decoder_layers: q, k, v (and gate, up) share their input, so their act_bits must match");
-  return {{seg(0, H, 0), seg(1, H, nq), seg(2, H, nq + nkv)},
-          seg(3, nq, 0),
-          {seg(4, H, 0), seg(5, H, inter)},
-          seg(6, inter, 0),
-          inter,
-          bits(0),
-          bits(3),
-          bits(4),
-          bits(6)};
-}
-
 }  // namespace
 
 
@@ -158,17 +107,23 @@ LayerGemms layer_gemms(at::TensorList weights, at::TensorList tiles, at::TensorL
 // neither the other rows of its slot nor other slots change a bit of its result.
 // Per layer l, in order: norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm,
 // q_norm, k_norm (the last two None without qk-norm); weights / tiles / scales / biases /
-// comps / act_bits[7l .. 7l+6] = the Int8Linears q, k, v, o, gate, up, down (tiles = the
-// weight packed by int8_pack_tiles, which the GEMMs read; comp = 128 * rowsum(weight), int32
-// [N]; act_bits 8, or 15 for split 15-bit activations as in Int8Linear).
+// comps / act_bits / w4 / w4_groups[7l .. 7l+6] = the linears q, k, v, o, gate, up, down:
+// an Int8Linear has w4_groups 0 and weight, tiles (the weight packed by int8_pack_tiles,
+// which the GEMMs read), scale, comp (128 * rowsum(weight), int32 [N]) and act_bits (8, or
+// 15 for split 15-bit activations as in Int8Linear); a W4A8Linear has w4_groups = its group
+// size, w4 = its weight packed by w4_pack, and None for the int8 ones; either may have a
+// bias.
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef slots,
                                at::IntArrayRef starts, at::IntArrayRef parents,
                                const c10::List<std::optional<at::Tensor>>& norms, double eps,
-                               at::TensorList weights, at::TensorList tiles, at::TensorList scales,
+                               const c10::List<std::optional<at::Tensor>>& weights,
+                               const c10::List<std::optional<at::Tensor>>& tiles,
+                               const c10::List<std::optional<at::Tensor>>& scales,
                                const c10::List<std::optional<at::Tensor>>& biases,
-                               at::TensorList comps, at::IntArrayRef act_bits, int64_t n_heads,
-                               int64_t n_kv_heads, bool prefill) {
+                               const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
+                               const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups,
+                               int64_t n_heads, int64_t n_kv_heads, bool prefill) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
   const int64_t T = x.size(1), H = x.size(2);
@@ -191,7 +146,8 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(weights.size()) == 7 * L &&
                   static_cast<int64_t>(tiles.size()) == 7 * L &&
                   static_cast<int64_t>(scales.size()) == 7 * L && static_cast<int64_t>(biases.size()) == 7 * L &&
-                  static_cast<int64_t>(comps.size()) == 7 * L && static_cast<int64_t>(act_bits.size()) == 7 * L,
+                  static_cast<int64_t>(comps.size()) == 7 * L && static_cast<int64_t>(act_bits.size()) == 7 * L &&
+                  static_cast<int64_t>(w4.size()) == 7 * L && static_cast<int64_t>(w4_groups.size()) == 7 * L,
               "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
   TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && static_cast<int64_t>(slots.size()) == T &&
                   static_cast<int64_t>(starts.size()) == T && parents[0] == -1,
@@ -303,46 +259,45 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   const int64_t most_blocks = n_blocks(max_keys), part_size = D + 2;
   std::vector<float> partials(most_blocks > 1 ? T * n_heads * most_blocks * part_size : 0);
 
-  // Per layer: its norm weights and its four GEMMs (q, k, v together; gate and up together),
-  // all checked here, before the parallel region (nothing in it may throw).
+  // Per layer: its norm weights and its linears by input (step_linears.h: Int8Linears and
+  // W4A8Linears in any mix), all checked here, before the parallel region (nothing in it may
+  // throw).
   struct LayerPlan {
     const float *w_in, *w_post, *w_qn, *w_kn;
-    int64_t inter, bits_qkv, bits_o, bits_gate_up, bits_down;
+    int64_t inter;
   };
   std::vector<LayerPlan> plan;
-  std::vector<LayerGemms> segs;
+  std::vector<quasar::LayerLinears> linears;
+  linears.reserve(L);  // the GEMMs below point into it
   int64_t inter_max = 0;
   for (int64_t l = 0; l < L; ++l) {
-    segs.push_back(layer_gemms(weights, tiles, scales, biases, comps, act_bits, 7 * l, H, nq, nkv));
-    const LayerGemms& g = segs.back();
-    inter_max = std::max(inter_max, g.inter);
+    linears.push_back(quasar::layer_linears(weights, tiles, scales, biases, comps, act_bits, w4, w4_groups, l, H, nq,
+                                            nkv));
+    const int64_t inter = linears.back().inter;
+    inter_max = std::max(inter_max, inter);
     const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
     TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
                 "w8a8_decoder_layers: missing layer norm");
     plan.push_back({float_data(*norms.get(4 * l), H, "input_layernorm"),
                     float_data(*norms.get(4 * l + 1), H, "post_attention_layernorm"),
                     qn.has_value() && qn->defined() ? float_data(*qn, D, "q_norm") : nullptr,
-                    kn.has_value() && kn->defined() ? float_data(*kn, D, "k_norm") : nullptr, g.inter, g.bits_qkv,
-                    g.bits_o, g.bits_gate_up, g.bits_down});
+                    kn.has_value() && kn->defined() ? float_data(*kn, D, "k_norm") : nullptr, inter});
   }
   at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
   float* xs = out.data_ptr<float>();
   std::vector<float> h(T * H), proj(T * std::max(nqkv, H)), attn(T * nq), gu(T * 2 * inter_max),
-      act(T * inter_max), sx(T);
-  // Quantized activations of the GEMM at hand (15 bits: hi in q, lo in q_lo), rows of
-  // padded_k(K) bytes; phases are separated by barriers, so one buffer serves every GEMM.
-  const int64_t k4_max = quasar::padded_k(std::max({H, nq, inter_max}));
-  std::vector<uint8_t> q(T * k4_max), q_lo(T * k4_max);
-  std::vector<quasar::SmallMGemm> gemms;  // 4 per layer: qkv, o, gate_up, down
+      act(T * inter_max);
+  // The quantized activations of the GEMM at hand: phases are separated by barriers, so one
+  // set serves every GEMM.
+  quasar::StepActs acts(T, std::max({H, nq, inter_max}));
+  std::vector<quasar::StepGemm> gemms;  // 4 per layer: qkv, o, gate_up, down
+  gemms.reserve(4 * L);
   for (int64_t l = 0; l < L; ++l) {
-    const LayerGemms& g = segs[l];
-    const auto gemm = [&](int64_t k, const quasar::Int8Segment* sg, int64_t n_sg, float* y, int64_t ys, int64_t bits) {
-      gemms.emplace_back(q.data(), bits == 15 ? q_lo.data() : nullptr, T, k, sg, n_sg, sx.data(), y, ys);
-    };
-    gemm(H, g.qkv, 3, proj.data(), nqkv, g.bits_qkv);
-    gemm(nq, &g.o, 1, proj.data(), H, g.bits_o);
-    gemm(H, g.gate_up, 2, gu.data(), 2 * g.inter, g.bits_gate_up);
-    gemm(g.inter, &g.down, 1, proj.data(), H, g.bits_down);
+    const quasar::LayerLinears& g = linears[l];
+    gemms.emplace_back(g.qkv, acts, T, proj.data(), nqkv);
+    gemms.emplace_back(g.o, acts, T, proj.data(), H);
+    gemms.emplace_back(g.gate_up, acts, T, gu.data(), 2 * g.inter);
+    gemms.emplace_back(g.down, acts, T, proj.data(), H);
   }
   // Attention items are taken dynamically (their cost varies with each slot's length): one
   // counter per layer, so no reset is needed between layers.
@@ -366,18 +321,9 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t r0 = T * tid / nt, r1 = T * (tid + 1) / nt, nr = r1 - r0;  // this thread's rows
-    const auto quantize = [&](const float* src, int64_t k, int64_t bits) {  // rows [r0, r1) of src [T, k]
-      if (nr == 0) return;
-      const int64_t k4 = quasar::padded_k(k);
-      if (bits == 15)
-        quasar::quantize_rows_split_u8(src + r0 * k, nr, k, q.data() + r0 * k4, q_lo.data() + r0 * k4, sx.data() + r0);
-      else
-        quasar::quantize_rows_u8(src + r0 * k, nr, k, q.data() + r0 * k4, sx.data() + r0);
-    };
-    const auto run_gemm = [&](const quasar::SmallMGemm& g) {
-      const int64_t v = g.vectors();
-      g.run(v * tid / nt, v * (tid + 1) / nt);
-    };
+    // the GEMMs' phases: quantize this thread's rows (before a barrier), then its share of the outputs
+    const auto quantize = [&](const quasar::StepGemm& g, const float* src) { g.quantize(src, r0, r1); };
+    const auto run_gemm = [&](const quasar::StepGemm& g) { g.run(tid, nt); };
     std::vector<float> scores(kMaxGroupQueries * stride), acc(kMaxGroupQueries * 2 * D);
     std::vector<uint16_t> probs(bf16 ? kMaxGroupQueries * stride : 0);
 #ifdef QUASAR_AMX_ATTENTION
@@ -389,10 +335,10 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
 
     for (int64_t l = 0; l < L; ++l) {
       const LayerPlan& p = plan[l];
-      const quasar::SmallMGemm* lg = gemms.data() + 4 * l;
+      const quasar::StepGemm* lg = gemms.data() + 4 * l;
       // attention block: norm and quantize this thread's rows, then q, k, v
       if (nr) rms_norm(xs + r0 * H, nr, H, p.w_in, feps, h.data() + r0 * H);
-      quantize(h.data(), H, p.bits_qkv);
+      quantize(lg[0], h.data());
 #pragma omp barrier
       run_gemm(lg[0]);
 #pragma omp barrier
@@ -479,7 +425,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
               quasar::step::combine_blocks(partials.data() + (t * n_heads + hd) * most_blocks * part_size, nb, D,
                              attn.data() + t * nq + hd * D);
         }
-      quantize(attn.data(), nq, p.bits_o);
+      quantize(lg[1], attn.data());
 #pragma omp barrier
       run_gemm(lg[1]);
 #pragma omp barrier
@@ -488,12 +434,12 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
         add_into(xs + r0 * H, proj.data() + r0 * H, nr * H);
         rms_norm(xs + r0 * H, nr, H, p.w_post, feps, h.data() + r0 * H);
       }
-      quantize(h.data(), H, p.bits_gate_up);
+      quantize(lg[2], h.data());
 #pragma omp barrier
       run_gemm(lg[2]);
 #pragma omp barrier
       if (nr) silu_mul(gu.data() + r0 * 2 * p.inter, nr, p.inter, act.data() + r0 * p.inter);
-      quantize(act.data(), p.inter, p.bits_down);
+      quantize(lg[3], act.data());
 #pragma omp barrier
       run_gemm(lg[3]);
 #pragma omp barrier
@@ -518,7 +464,8 @@ TORCH_LIBRARY_FRAGMENT(quasar_quant, m) {
   m.def("w8a8_amx_attention_supported() -> bool", &w8a8_amx_attention_supported);
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor[] weights, Tensor[] tiles, Tensor[] scales, Tensor?[] biases, "
-      "Tensor[] comps, int[] act_bits, int n_heads, int n_kv_heads, bool prefill=False) -> Tensor");
+      "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor?[] weights, Tensor?[] tiles, "
+      "Tensor?[] scales, Tensor?[] biases, Tensor?[] comps, int[] act_bits, Tensor?[] w4, int[] w4_groups, "
+      "int n_heads, int n_kv_heads, bool prefill=False) -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 }

@@ -62,27 +62,6 @@ namespace {
 
 using quasar::KernelPath;
 
-// ------------------------------------------------------------------ activations
-// quantize_activation_groups for x [M, K] (K a multiple of group): q int8 [M, K], sx and xs
-// [M, K / group]; each group quantized as int8_linear.cpp quantizes a row (activation_quant.h).
-void quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs) {
-  const int64_t groups = K / group;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* r = x + m * K + g * group;
-      const float s = quasar::row_scale(r, group, 127.0);
-      int32_t sum = 0;
-      int8_t* o = q + m * K + g * group;
-      for (int64_t k = 0; k < group; ++k) {
-        const int32_t v = quasar::round_to_int(r[k] / s);
-        o[k] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      sx[m * groups + g] = s;
-      xs[m * groups + g] = static_cast<float>(sum) * s;
-    }
-}
-
 // ------------------------------------------------------------------ kernel choice
 // Paths whose W4A8 kernel the self-check found wrong (bit p: KernelPath p); the op then runs
 // the highest path below the active one that the CPU runs and is not disabled.
@@ -133,6 +112,55 @@ at::Tensor group_params(const at::Tensor& t, int64_t N, int64_t G, const char* w
 }
 
 }  // namespace
+
+namespace quasar {
+
+// quantize_activation_groups for x [M, K] (K a multiple of group): q int8 [M, K], sx and xs
+// [M, K / group]; each group quantized as int8_linear.cpp quantizes a row (activation_quant.h).
+void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs) {
+  const int64_t groups = K / group;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* r = x + m * K + g * group;
+      const float s = row_scale(r, group, 127.0);
+      int32_t sum = 0;
+      int8_t* o = q + m * K + g * group;
+      for (int64_t k = 0; k < group; ++k) {
+        const int32_t v = round_to_int(r[k] / s);
+        o[k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      sx[m * groups + g] = s;
+      xs[m * groups + g] = static_cast<float>(sum) * s;
+    }
+}
+
+W4RowsFn w4_active_kernel(int64_t* max_rows) {
+  const int p = w4_path_for(kernel_path());
+  if (p < 0) return nullptr;
+  *max_rows = w4_max_rows(static_cast<KernelPath>(p));
+  return w4_kernel(static_cast<KernelPath>(p));
+}
+
+void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t group,
+                    const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride) {
+  float out[kW4MaxRows * kW4Lanes];
+  for (int64_t r0 = 0; r0 < M; r0 += max_rows) {  // the first pass reads the vector, later ones hit cache
+    const int64_t rows = std::min(max_rows, M - r0);
+    const W4Acts acts{a.q + r0 * a.ldq, a.ldq, a.sx + r0 * a.ldg, a.xs + r0 * a.ldg, a.ldg};
+    kernel(vec, K, group, acts, rows, out);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* yr = y + (r0 + r) * y_stride;
+      const float* o = out + r * kW4Lanes;
+      if (bias)
+        for (int64_t i = 0; i < lanes; ++i) yr[i] = o[i] + bias[i];
+      else
+        std::memcpy(yr, o, lanes * sizeof(float));
+    }
+  }
+}
+
+}  // namespace quasar
 
 // q [N, K] (int8 or uint8, values 0..15), scales and offsets [N, K / group] -> the packed
 // uint8 [w4_packed_bytes(N, K, group)] of w4a8_gemm.h.
@@ -222,7 +250,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (M == 0 || N == 0) return y.view(out_shape);
   std::vector<int8_t> q(M * K);
   std::vector<float> sx(M * G), xs(M * G);
-  quantize_groups(xf.data_ptr<float>(), M, K, group, q.data(), sx.data(), xs.data());
+  quasar::w4_quantize_groups(xf.data_ptr<float>(), M, K, group, q.data(), sx.data(), xs.data());
+  const quasar::W4Acts acts{q.data(), K, sx.data(), xs.data(), G};
 
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
@@ -230,22 +259,10 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t vb = quasar::w4_vector_bytes(K, group), vectors = (N + quasar::kW4Lanes - 1) / quasar::kW4Lanes;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / vb);  // >= 64 KiB of weights a task
   at::parallel_for(0, vectors, grain, [&](int64_t v0, int64_t v1) {
-    float out[quasar::kW4MaxRows * quasar::kW4Lanes];
     for (int64_t v = v0; v < v1; ++v) {
-      const int64_t n0 = v * quasar::kW4Lanes, lanes = std::min(quasar::kW4Lanes, N - n0);
-      for (int64_t r0 = 0; r0 < M; r0 += max_rows) {  // the first pass reads the vector, later ones hit cache
-        const int64_t rows = std::min(max_rows, M - r0);
-        const quasar::W4Acts acts{q.data() + r0 * K, K, sx.data() + r0 * G, xs.data() + r0 * G, G};
-        kernel(w + v * vb, K, group, acts, rows, out);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* yr = yp + (r0 + r) * N + n0;
-          const float* o = out + r * quasar::kW4Lanes;
-          if (bp)
-            for (int64_t i = 0; i < lanes; ++i) yr[i] = o[i] + bp[n0 + i];
-          else
-            std::memcpy(yr, o, lanes * sizeof(float));
-        }
-      }
+      const int64_t n0 = v * quasar::kW4Lanes;
+      quasar::w4_vector_rows(kernel, max_rows, w + v * vb, K, group, acts, M, std::min(quasar::kW4Lanes, N - n0),
+                             bp ? bp + n0 : nullptr, yp + n0, N);
     }
   });
   return y.view(out_shape);

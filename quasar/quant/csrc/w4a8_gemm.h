@@ -55,4 +55,19 @@ void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4A
 // Rows per pass of each path's kernel (the driver cuts M into passes of at most this many).
 int64_t w4_max_rows(KernelPath path);
 
+// The activations' side of the contract (w4a8_gemm.cpp): x [M, K] float32 (K a multiple of
+// group) -> q int8 [M, K], sx and xs float [M, K / group], one row at a time.
+void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs);
+
+// The kernel the W4A8 op runs now (the active kernel path's, amx served by avx512-vnni, less
+// paths the self-check disabled) and its rows per pass; nullptr when every path is disabled.
+W4RowsFn w4_active_kernel(int64_t* max_rows);
+
+// One vector's outputs for all M rows of a (passes of max_rows rows): y[r * y_stride + i] =
+// the kernel's acc + bias[i] (bias null: acc) for the lanes i < `lanes` that are real outputs;
+// `bias` and `y` point at the vector's first output. The op and the fused decoder step both
+// finish vectors here, so they give the same bits.
+void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t group,
+                    const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride);
+
 }  // namespace quasar
