@@ -83,11 +83,32 @@ def fused_calls(q):
         q.step_kernel = kernel
 
 
+def batch_rows(q, prompts, trees) -> Rows:
+    """One step's rows for several sequences, one cache slot each: every prompt but its last
+    token prefilled into its slot, then that token and its draft tree (tokens, parents)."""
+    q.setup_cache(CACHE, n_slots=len(prompts))
+    for slot, p in enumerate(prompts):
+        q(torch.tensor([p[:-1]]), logits="none", slot=slot)
+    tokens, slots, parents = [], [], []
+    for slot, (p, (t, par)) in enumerate(zip(prompts, trees)):
+        base = len(tokens)
+        tokens += [p[-1], *t]
+        slots += [slot] * (len(t) + 1)
+        parents += [-1, *(base + 1 + x if x >= 0 else base for x in par)]
+    return Rows.build(tokens, slots, parents, q.cache.lengths)
+
+
 @pytest.mark.parametrize("arch,long", [(a, False) for a in ARCHS] + [("llama", True), ("qwen2", True)])
 def test_fused_layer_is_used_and_as_close_to_float_as_the_modules(models, arch, long):
     fp, q, ids = models[arch]
     if long:
         ids = long_ids(ids)
+    assert_fused_and_close(fp, q, ids)
+
+
+def assert_fused_and_close(fp, q, ids):
+    """A 6-token step of quantized ``q`` runs fused, is as close to float ``fp`` as the
+    modules' (within 1.5x), and close to the modules' own logits."""
     with fused_calls(q) as calls:
         fused = step_logits(q, ids, 6, fused=True)
     assert calls and all(calls), "the fused layer did not run"
@@ -244,6 +265,12 @@ def test_tree_rows_are_bitwise_their_paths_alone(models, arch, nodes, long):
     _, q, ids = models[arch]
     if long:
         ids = long_ids(ids)
+    assert_tree_rows_are_their_paths(q, ids, nodes)
+
+
+def assert_tree_rows_are_their_paths(q, ids, nodes):
+    """A fused step of a random tree of `nodes` nodes after `ids`: every row bitwise the last
+    of one-token steps along its path."""
     tokens, parents = random_tree(nodes, nodes, 1000)
     with fused_calls(q) as calls:
         got, _ = tree_step(q, ids, tokens, parents)
@@ -314,16 +341,7 @@ def test_batch_rows_are_bitwise_each_sequence_alone(models, arch, long):
     trees = [random_tree(5, 5, 1000 + i) for i in range(4)]
     trees[1] = ([], [])  # a sequence without drafts
     trees[2] = ([41, 42, 43], [-1, 0, 1])  # a chain
-    q.setup_cache(CACHE, n_slots=len(prompts))
-    for slot, p in enumerate(prompts):
-        q(torch.tensor([p[:-1]]), logits="none", slot=slot)
-    tokens, slots, parents = [], [], []
-    for slot, (p, (t, par)) in enumerate(zip(prompts, trees)):
-        base = len(tokens)
-        tokens += [p[-1], *t]
-        slots += [slot] * (len(t) + 1)
-        parents += [-1, *(base + 1 + x if x >= 0 else base for x in par)]
-    rows = Rows.build(tokens, slots, parents, q.cache.lengths)
+    rows = batch_rows(q, prompts, trees)
     with fused_calls(q) as calls:
         got = q.step(rows)
     assert calls == [True], "the batch step did not run fused"

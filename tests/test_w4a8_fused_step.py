@@ -9,10 +9,10 @@ import torch
 
 import pytest
 from conftest import make_tiny_model
-from test_fused_step import (CACHE, PROMPT, fused_calls, long_ids, one_token_steps, path_of, random_tree,
-                             step_logits, tree_step)
+from test_fused_step import (CACHE, PROMPT, assert_fused_and_close,
+                             assert_tree_rows_are_their_paths, batch_rows, fused_calls, long_ids,
+                             random_tree, step_logits, tree_step)
 from quasar.models.loader import load_model
-from quasar.models.rows import Rows
 from quasar.quant import ext
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.w4a8 import W4A8Linear
@@ -69,17 +69,7 @@ def kinds_of(model) -> set[str]:
 def test_fused_w4a8_step_is_used_and_close_to_the_modules(models, arch, kind):
     fp, q, ids = models[arch, kind]
     assert kinds_of(q) == ({"W4A8Linear"} if kind == "w4" else {"W4A8Linear", "Int8Linear"})
-    with fused_calls(q) as calls:
-        fused = step_logits(q, ids, 6, fused=True)
-    assert calls and all(calls), "the fused step did not run"
-    modules = step_logits(q, ids, 6, fused=False)
-    ref = step_logits(fp, ids, 6, fused=False)
-    scale = ref.abs().max()
-    err_fused = float((fused - ref).abs().max() / scale)
-    err_modules = float((modules - ref).abs().max() / scale)
-    assert err_fused <= 1.5 * err_modules + 1e-3, (err_fused, err_modules)
-    assert float((fused - modules).abs().max() / scale) < 0.05  # as the W8A8 fused step's test
-    assert (fused.argmax(-1) == modules.argmax(-1)).float().mean() >= 0.8
+    assert_fused_and_close(fp, q, ids)
 
 
 @pytest.mark.parametrize("kind,nodes,long", [("w4", 9, False), ("mixed", 9, False), ("w4", 24, True),
@@ -90,30 +80,16 @@ def test_tree_rows_are_bitwise_their_paths_alone(models, kind, nodes, long):
     _, q, ids = models["qwen3", kind]
     if long:
         ids = long_ids(ids)
-    tokens, parents = random_tree(nodes, nodes, 1000)
-    with fused_calls(q) as calls:
-        got, _ = tree_step(q, ids, tokens, parents)
-    assert calls and calls[-1], "the tree step did not run fused"
-    assert torch.equal(got[0], one_token_steps(q, ids, [])[0])
-    for node in range(nodes):
-        assert torch.equal(got[node + 1], one_token_steps(q, ids, path_of(tokens, parents, node))[-1]), node
+    assert_tree_rows_are_their_paths(q, ids, nodes)
 
 
 def test_batch_rows_are_bitwise_each_sequence_alone(models):
     _, q, ids = models["llama", "mixed"]
     prompts = [ids, ids[: len(ids) // 2], ids[3:] + ids[:5]]
     trees = [random_tree(5, 5, 1000), ([], []), ([41, 42, 43], [-1, 0, 1])]
-    q.setup_cache(CACHE, n_slots=len(prompts))
-    for slot, p in enumerate(prompts):
-        q(torch.tensor([p[:-1]]), logits="none", slot=slot)
-    tokens, slots, parents = [], [], []
-    for slot, (p, (t, par)) in enumerate(zip(prompts, trees)):
-        base = len(tokens)
-        tokens += [p[-1], *t]
-        slots += [slot] * (len(t) + 1)
-        parents += [-1, *(base + 1 + x if x >= 0 else base for x in par)]
+    rows = batch_rows(q, prompts, trees)
     with fused_calls(q) as calls:
-        got = q.step(Rows.build(tokens, slots, parents, q.cache.lengths))
+        got = q.step(rows)
     assert calls == [True], "the batch step did not run fused"
     row = 0
     for p, (t, par) in zip(prompts, trees):

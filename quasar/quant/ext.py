@@ -509,7 +509,7 @@ def _w4_check() -> None:
                 if not problem:
                     fallback = path
                     continue
-                torch.ops.quasar_quant.w4a8_kernel_path(path)
+                torch.ops.quasar_quant.w4a8_kernel_path(disable=path)
                 disabled.append(path)
                 log.warning("W4A8 self-check: the %s kernel is wrong (%s); it is disabled, the W4A8 op "
                             "runs %s instead", path, problem, fallback)

@@ -74,13 +74,14 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s quantized weights, what a step streams: every Int8Linear's in x out,
     every W4A8Linear's in x out / 2 and its groups' scales and offsets (float32)."""
     from quasar.quant.w4a8 import W4A8Linear
+    from quasar.quant.w4a8_numerics import w4_weight_bytes
 
     total = 0
     for m in model.modules():
         if isinstance(m, Int8Linear):
             total += m.in_features * m.out_features
         elif isinstance(m, W4A8Linear):
-            total += m.in_features * m.out_features // 2 + 8 * m.scales.numel()
+            total += w4_weight_bytes(m.out_features, m.in_features, m.group)
     return total
 
 
