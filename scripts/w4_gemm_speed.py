@@ -7,7 +7,7 @@ For each Qwen2.5-1.5B layer shape (out x in) and row count, times ``ext.w4a8_lin
 ``Int8Linear`` on the ``cpu`` backend (its small-M C++ kernel), both whole calls (quantize,
 GEMM, epilogue), interleaved round by round so drifting machine load hits both alike, and
 prints the medians, the weight bytes each reads over its time (GB/s: the nibbles with each
-group's float32 scale and offset, ``w4_weight_bytes``; the int8 weight with its row scale)
+group's float16 scale and offset, ``w4_weight_bytes``; the int8 weight with its row scale)
 and W4 time / W8 time. Names the CPU and both ops' kernel paths (``QUASAR_ISA`` forces a
 lower one). A benchmark: run it on an otherwise idle machine.
 """
@@ -47,7 +47,7 @@ def _calls(n: int, k: int, m: int, group: int) -> tuple[dict[str, Callable[[], o
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
-    scales = torch.rand(n, k // group, generator=gen) / 100
+    scales = (torch.rand(n, k // group, generator=gen) / 100).half()
     offsets = -8 * scales
     packed = ext.pack_w4(q, scales, offsets, group)
     w4 = ext.w4a8_linear_op()

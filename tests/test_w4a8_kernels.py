@@ -46,8 +46,8 @@ def w4_path(w4_op, request):
 
 def _weights(gen: torch.Generator, n: int, k: int, group: int):
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
-    scales = torch.rand(n, k // group, generator=gen) / 20
-    offsets = torch.randn(n, k // group, generator=gen) / 20
+    scales = (torch.rand(n, k // group, generator=gen) / 20).half()
+    offsets = (torch.randn(n, k // group, generator=gen) / 20).half()
     return q, scales, offsets
 
 
@@ -88,8 +88,9 @@ def test_extremes(w4_path, group: int) -> None:
     q = torch.full((n, k), 15, dtype=torch.int8)
     q[n // 2:] = 0
     q[-1, ::2] = 15  # alternating 15 / 0
-    scales = torch.rand(n, k // group, generator=gen)
-    offsets = torch.randn(n, k // group, generator=gen)
+    scales = torch.rand(n, k // group, generator=gen).half()
+    offsets = torch.randn(n, k // group, generator=gen).half()
+    offsets[0, 0] = 2.0 ** -24  # a subnormal float16: widened exactly on every path
     packed = _pack(q, scales, offsets, group)
     x = torch.ones(6, k)
     x[1] = -1.0  # q = -127 everywhere
@@ -115,7 +116,8 @@ def test_leading_dims_and_uint8_q(w4_op) -> None:
 
 def test_packed_layout() -> None:
     """The layout csrc/w4a8_gemm.h documents: per vector of 16 rows and group, 64-byte steps
-    (byte 4 i + j = q[i][k0 + j] | q[i][k0 + 4 + j] << 4), then 16 scales, then 16 offsets."""
+    (byte 4 i + j = q[i][k0 + j] | q[i][k0 + 4 + j] << 4), then 16 float16 scales, then 16
+    float16 offsets."""
     from quasar.quant import ext
 
     if ext.int8_linear_op() is None:
@@ -124,7 +126,7 @@ def test_packed_layout() -> None:
     n, k, group = 18, 64, 32
     q, scales, offsets = _weights(gen, n, k, group)
     packed = _pack(q, scales, offsets, group)
-    group_bytes = 8 * group + 128
+    group_bytes = 8 * group + 64
     assert packed.shape == (2 * 2 * group_bytes,)
     for v in range(2):
         for g in range(2):
@@ -134,11 +136,11 @@ def test_packed_layout() -> None:
             cols = rows[:, g * group:(g + 1) * group].view(16, group // 8, 2, 4).to(torch.uint8)
             want = (cols[:, :, 0] | (cols[:, :, 1] << 4)).permute(1, 0, 2).reshape(-1)
             assert torch.equal(blk[:8 * group], want), (v, g)
-            lane_s = torch.zeros(16)
-            lane_o = torch.zeros(16)
+            lane_s = torch.zeros(16, dtype=torch.float16)
+            lane_o = torch.zeros(16, dtype=torch.float16)
             lane_s[: min(16, n - 16 * v)] = scales[16 * v:16 * v + 16, g]
             lane_o[: min(16, n - 16 * v)] = offsets[16 * v:16 * v + 16, g]
-            assert torch.equal(blk[8 * group:].view(torch.float32), torch.cat([lane_s, lane_o]))
+            assert torch.equal(blk[8 * group:].view(torch.float16), torch.cat([lane_s, lane_o]))
 
 
 def test_errors_name_the_problem(w4_op) -> None:
@@ -161,6 +163,8 @@ def test_errors_name_the_problem(w4_op) -> None:
         _pack(bad, scales, offsets, 32)
     with pytest.raises(RuntimeError, match="q must be a 2-D int8 or uint8"):
         _pack(q.float(), scales, offsets, 32)
+    with pytest.raises(RuntimeError, match="scales must be a float16 CPU tensor, got Float"):
+        _pack(q, scales.float(), offsets, 32)
     packed = _pack(q, scales, offsets, 32)
     x = torch.randn(2, 128)
     with pytest.raises(RuntimeError, match="x has 64 features, the weight K = 128"):

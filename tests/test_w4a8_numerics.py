@@ -7,22 +7,24 @@ import torch
 
 from quasar.errors import QuasarError
 from quasar.quant.numerics import quantize_activation
-from quasar.quant.w4a8_numerics import (activation_group_sums, dequantize_w4, group_sums, n_groups, pack_int4,
-                                        quantize_activation_groups, quantize_weight_w4, quantize_weight_w4_affine,
-                                        reference_linear_w4a8, scale_output_w4, symmetric_as_affine, unpack_int4,
-                                        w4_weight_bytes)
+from quasar.quant.w4a8_numerics import (MIN_SCALE, activation_group_sums, as_group_params, dequantize_w4, group_sums,
+                                        n_groups, pack_int4, quantize_activation_groups, quantize_weight_w4,
+                                        quantize_weight_w4_affine, reference_linear_w4a8, scale_output_w4,
+                                        symmetric_as_affine, unpack_int4, w4_weight_bytes)
 
 
 @pytest.mark.parametrize("k, group", [(64, 32), (576, 64), (576, 128), (131, 32), (5, 128)])
 def test_quantize_weight_w4_rounds_each_group_to_its_own_scale(k: int, group: int) -> None:
     gen = torch.Generator().manual_seed(k + group)
     w = torch.randn(7, k, generator=gen) * torch.logspace(-2, 1, k)  # scales differ along K
-    w[3] = 0.0  # all-zero groups get scale 1
+    w[3] = 0.0  # all-zero groups get the floor scale, never 0
     q, s = quantize_weight_w4(w, group)
     assert q.dtype == torch.int8 and q.shape == (7, k) and int(q.abs().max()) <= 7
-    assert s.shape == (7, n_groups(k, group)) and torch.equal(s[3], torch.ones_like(s[3]))
+    assert s.dtype == torch.float16 and s.shape == (7, n_groups(k, group))
+    assert torch.all(s[3] == MIN_SCALE) and torch.all(q[3] == 0)
     cols = torch.arange(k) // group
-    assert torch.all((dequantize_w4(q, s, group) - w).abs() <= s[:, cols] / 2 * (1 + 1e-6))
+    # q rounds against the stored float16 scale: within half a step of it
+    assert torch.all((dequantize_w4(q, s, group) - w).abs() <= s[:, cols].float() / 2 * (1 + 1e-6))
     for g in range(s.shape[1]):  # each group's largest weight maps to ±7
         part = q[[0, 1, 2, 4, 5, 6], g * group:(g + 1) * group]
         assert torch.all(part.abs().amax(dim=1) == 7)
@@ -147,9 +149,22 @@ def test_bad_input_is_a_clear_error() -> None:
 
 
 def test_weight_bytes() -> None:
-    # 1.5B's MLP down projection at group 64: 4 bits + 64 / 64 bits of fp32 scale and offset a weight
-    assert w4_weight_bytes(1536, 8960, 64) == 1536 * (4480 + 140 * 8)
-    assert w4_weight_bytes(1, 3, 2, scale_bytes=2) == 2 + 2 * 2 * 2
+    # 1.5B's MLP down projection at group 64: 4 bits + 32 / 64 bits of float16 scale and offset a weight
+    assert w4_weight_bytes(1536, 8960, 64) == 1536 * (4480 + 140 * 4)
+    assert w4_weight_bytes(1, 3, 2, scale_bytes=4) == 2 + 2 * 2 * 4
+
+
+def test_group_params_are_float16_and_overflow_is_an_error() -> None:
+    t = torch.tensor([[0.1, -3.0, 2.0 ** -24]])
+    h = as_group_params(t)
+    assert h.dtype == torch.float16 and torch.equal(h, t.half())
+    with pytest.raises(QuasarError, match=r"offsets must be finite float16.*7e\+04"):
+        as_group_params(torch.tensor([[70000.0]]), "offsets")
+    # the affine quantizer rounds its offset (the group minimum) to float16 first, then q against it
+    w = torch.tensor([[0.1001, 0.2, 0.3, 0.7]])
+    q, s, o = quantize_weight_w4_affine(w, 32)
+    assert s.dtype == o.dtype == torch.float16 and float(o) == float(torch.tensor(0.1001).half())
+    assert torch.all((dequantize_w4(q, s, 32, o) - w).abs() <= float(s) / 2 * (1 + 1e-6))
 
 
 def _gguf_like(gen: torch.Generator, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -284,7 +284,7 @@ def amx_attention_supported() -> bool:
 
 
 def pack_w4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor | None:
-    """Affine 4-bit weights (q int8 or uint8 [N, K] in [0, 15], float scales and offsets
+    """Affine 4-bit weights (q int8 or uint8 [N, K] in [0, 15], float16 scales and offsets
     [N, K / group], w = scale * q + offset; group 32, 64 or 128, K a multiple of it) in the
     W4A8 op's streaming layout (uint8, 1-D; csrc/w4a8_gemm.h), or None without the library.
     A bad shape or value is a RuntimeError naming it."""
@@ -531,8 +531,8 @@ def _w4_mismatch(path: str) -> str:
     for n, k, group in ((19, 96, 32), (21, 128, 64), (16, 256, 128)):
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int8)
         q[0] = 15
-        scales = torch.rand(n, k // group, generator=gen) / 10
-        offsets = torch.randn(n, k // group, generator=gen) / 10
+        scales = (torch.rand(n, k // group, generator=gen) / 10).half()
+        offsets = (torch.randn(n, k // group, generator=gen) / 10).half()
         bias = torch.randn(n, generator=gen)
         packed = torch.ops.quasar_quant.w4_pack(q, scales, offsets, group)
         for m in (1, 3, 7):

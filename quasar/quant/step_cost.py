@@ -72,7 +72,7 @@ VNNI_PASS_ROWS = 6
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s quantized weights, what a step streams: every Int8Linear's in x out,
-    every W4A8Linear's in x out / 2 and its groups' scales and offsets (float32)."""
+    every W4A8Linear's in x out / 2 and its groups' scales and offsets (float16)."""
     from quasar.quant.w4a8 import W4A8Linear
     from quasar.quant.w4a8_numerics import w4_weight_bytes
 

@@ -2,7 +2,7 @@
 token and group, exact integer group sums (quasar.quant.w4a8_numerics is the contract).
 
 State: ``qweight`` uint8 [out, ceil(in / 2)] (two weights a byte, ``pack_int4``), ``scales``
-and ``offsets`` float32 [out, groups] (w = scale * q + offset), optional ``bias``. The C++
+and ``offsets`` float16 [out, groups] (w = scale * q + offset), optional ``bias``. The C++
 op (quasar.quant.ext, when built) packs them once more into its own streaming layout on the
 first forward; without it (or for a row of ragged groups) the layer runs the float64
 reference, the same bits, slowly.
@@ -14,8 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
-from quasar.quant.w4a8_numerics import (GROUP_SIZES, dequantize_w4, n_groups, pack_int4, quantize_weight_w4,
-                                        reference_linear_w4a8, symmetric_as_affine, unpack_int4)
+from quasar.quant.w4a8_numerics import (GROUP_SIZES, SCALE_DTYPE, as_group_params, dequantize_w4, n_groups,
+                                        pack_int4, quantize_weight_w4, reference_linear_w4a8, symmetric_as_affine,
+                                        unpack_int4)
 
 __all__ = ["W4A8Linear"]
 
@@ -28,23 +29,24 @@ class W4A8Linear(nn.Module):
         self.in_features, self.out_features, self.group = in_features, out_features, group
         g = n_groups(in_features, group)
         self.register_buffer("qweight", torch.zeros(out_features, -(-in_features // 2), dtype=torch.uint8))
-        self.register_buffer("scales", torch.ones(out_features, g))
-        self.register_buffer("offsets", torch.zeros(out_features, g))
+        self.register_buffer("scales", torch.ones(out_features, g, dtype=SCALE_DTYPE))
+        self.register_buffer("offsets", torch.zeros(out_features, g, dtype=SCALE_DTYPE))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._kernel_packing: tuple | None = None  # (qweight identity, the op's packed tensor)
 
     @classmethod
     def from_groups(cls, q: Tensor, scales: Tensor, offsets: Tensor, group: int,
                     bias: Tensor | None = None) -> "W4A8Linear":
-        """A layer holding affine groups as they are: q [out, in] in [0, 15], scales and
-        offsets [out, groups] (a 4-bit GGUF's own blocks: quasar.models.gguf_groups)."""
+        """A layer holding affine groups: q [out, in] in [0, 15], scales and offsets [out,
+        groups] (a 4-bit GGUF's own blocks: quasar.models.gguf_groups), stored as float16
+        (exact for Q4_0 / Q4_1, whose scales are float16 in the file; rounded once else)."""
         out_features, in_features = q.shape
         if scales.shape != (out_features, n_groups(in_features, group)) or offsets.shape != scales.shape:
             raise QuasarError(f"W4A8 groups: scales {tuple(scales.shape)} and offsets {tuple(offsets.shape)} do "
                               f"not fit a [{out_features}, {in_features}] weight in groups of {group}")
         layer = cls(in_features, out_features, group, bias is not None)
         layer.qweight = pack_int4(q.to(torch.int8))
-        layer.scales, layer.offsets = scales.float().contiguous(), offsets.float().contiguous()
+        layer.scales, layer.offsets = as_group_params(scales), as_group_params(offsets, "offsets")
         if bias is not None:
             layer.bias = bias.detach().float().clone()
         return layer

@@ -32,7 +32,11 @@ so a token's output does not depend on the other tokens of the batch (row invari
 greedy speculative decoding equals greedy decoding of the same verifier.
 
 Storage (``pack_int4``): two weights a byte, column 2j in the low nibble and 2j + 1 in the
-high one; a row of odd K ends in a half-used byte.
+high one; a row of odd K ends in a half-used byte. Scales and offsets are float16 numbers
+(``SCALE_DTYPE``, ``as_group_params``): a group of 32 then costs 4 + 1 bits a weight, not
+4 + 2, and the step streams that much less. GGUF's Q4_0 and Q4_1 store theirs as float16
+already; Q4_K's (a float16 times a 6-bit integer) and a float model's are rounded once, and
+the quantizers below round the weights against the float16 scale, not the wider one.
 """
 
 from __future__ import annotations
@@ -44,6 +48,20 @@ from quasar.errors import QuasarError
 
 GROUP_SIZES = (32, 64, 128)  # the candidates issue #34 names; chosen by measuring
 INT4_MAX = 7
+SCALE_DTYPE = torch.float16  # the stored scales and offsets; the epilogue widens them exactly
+# The smallest normal float16: a quantizer's scale floor, so a group of tiny (or zero)
+# weights never gets a subnormal or zero scale.
+MIN_SCALE = 2.0 ** -14
+
+
+def as_group_params(t: Tensor, what: str = "scales") -> Tensor:
+    """Scales or offsets as the stored float16 (round to nearest); a value float16 cannot
+    hold (|v| > 65504, NaN) is an error, not an infinity in the model."""
+    h = t.detach().to(SCALE_DTYPE).contiguous()
+    if not bool(torch.isfinite(h).all()):
+        raise QuasarError(f"W4A8 {what} must be finite float16 numbers (|v| <= 65504); "
+                          f"got one outside after rounding (largest |v|: {float(t.detach().abs().max()):.4g})")
+    return h
 
 
 def n_groups(in_features: int, group: int) -> int:
@@ -57,26 +75,27 @@ def _check_group(group: int) -> None:
 
 
 def quantize_weight_w4(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """Symmetric int4 per group: returns q (int8 [N, K], values in [-7, 7]) and float32
-    scales [N, n_groups(K, group)] (1.0 for all-zero groups)."""
+    """Symmetric int4 per group: returns q (int8 [N, K], values in [-7, 7]) and float16
+    scales [N, n_groups(K, group)] (amax / 7, at least MIN_SCALE; q rounds against the
+    float16 scale)."""
     w32 = _grouped(w, group)
     amax = w32.abs().amax(dim=2, keepdim=True)
-    scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax))
-    q = torch.round(w32 / scale).clamp_(-INT4_MAX, INT4_MAX).to(torch.int8)
+    scale = as_group_params((amax / INT4_MAX).clamp_(min=MIN_SCALE))
+    q = torch.round(w32 / scale.float()).clamp_(-INT4_MAX, INT4_MAX).to(torch.int8)
     return _ungrouped(q, w.shape[1]), scale.squeeze(2)
 
 
 def quantize_weight_w4_affine(w: Tensor, group: int) -> tuple[Tensor, Tensor, Tensor]:
     """Affine int4 per group (min to max in 15 steps): returns q (int8 [N, K] in [0, 15]),
-    float32 scales and offsets [N, n_groups(K, group)]; w ~ scale * q + offset. A padded
+    float16 scales and offsets [N, n_groups(K, group)]; w ~ scale * q + offset. A padded
     last group takes its range from its real columns only."""
     w32 = _grouped(w, group)
     k = w.shape[1]
     real = (torch.arange(w32.shape[1] * group) < k).view(1, -1, group)
-    lo = torch.where(real, w32, torch.inf).amin(dim=2, keepdim=True)
+    lo = as_group_params(torch.where(real, w32, torch.inf).amin(dim=2, keepdim=True), "offsets")
     hi = torch.where(real, w32, -torch.inf).amax(dim=2, keepdim=True)
-    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
-    q = torch.round((w32 - lo) / scale).clamp_(0, 15).to(torch.int8)
+    scale = as_group_params(((hi - lo.float()) / 15).clamp_(min=MIN_SCALE))
+    q = torch.round((w32 - lo.float()) / scale.float()).clamp_(0, 15).to(torch.int8)
     return _ungrouped(q, k), scale.squeeze(2), lo.squeeze(2)
 
 
@@ -98,8 +117,8 @@ def dequantize_w4(q: Tensor, scales: Tensor, group: int, offsets: Tensor | None 
     """float32 weights q * scale (+ offset for affine groups)."""
     _check_group(group)
     k = q.shape[1]
-    w = q.float() * scales.repeat_interleave(group, dim=1)[:, :k]
-    return w if offsets is None else w + offsets.repeat_interleave(group, dim=1)[:, :k]
+    w = q.float() * scales.float().repeat_interleave(group, dim=1)[:, :k]
+    return w if offsets is None else w + offsets.float().repeat_interleave(group, dim=1)[:, :k]
 
 
 def group_sums(qx: Tensor, q: Tensor, group: int) -> Tensor:
@@ -197,6 +216,6 @@ def unpack_int4(packed: Tensor, in_features: int) -> Tensor:
     return torch.stack([lo, hi], dim=2).view(packed.shape[0], -1)[:, :in_features].contiguous()
 
 
-def w4_weight_bytes(out_features: int, in_features: int, group: int, scale_bytes: int = 4) -> int:
+def w4_weight_bytes(out_features: int, in_features: int, group: int, scale_bytes: int = 2) -> int:
     """Bytes a step reads for one W4A8 weight: the nibbles, each group's scale and offset."""
     return out_features * (-(-in_features // 2) + n_groups(in_features, group) * 2 * scale_bytes)

@@ -3,8 +3,9 @@ int8 where it does not.
 
 A model that comes as a 4-bit GGUF is, dequantized, the float model Quasar decodes and
 measures against. Its Q4_0 / Q4_1 / Q4_K tensors are already affine int4 groups of 32
-(quasar.models.gguf_groups), so they become ``W4A8Linear`` layers holding those exact
-weights: rounding them again would lose twice. Tensors the file keeps wider (Q6_K, Q8_0,
+(quasar.models.gguf_groups), so they become ``W4A8Linear`` layers holding those weights:
+rounding them again would lose twice. (Exactly for Q4_0 and Q4_1; Q4_K's two-level scales,
+a float16 times a 6-bit integer, are rounded once to the float16 the kernels stream.) Tensors the file keeps wider (Q6_K, Q8_0,
 float: a Q4_K_M file's output head, half its value and down projections) stay 8-bit, as
 ``Int8Linear`` (per-channel int8, per-token activations, 15-bit ones for the down
 projection, as the W8A8 verifier quantizes it). A model given as a float directory has no

@@ -13,7 +13,10 @@ namespace {
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 // libgcc's checks include the OS saving the AVX / AVX512 register state (XCR0).
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+// F16C (vcvtph2ps, the W4A8 kernels' half-precision scales) came with every AVX2 CPU; asked anyway.
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 bool has_avx_vnni() {
 #if __GNUC__ >= 11 || defined(__clang__)
   return has_avx2() && __builtin_cpu_supports("avxvnni");

@@ -46,11 +46,12 @@ void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts
           s[i] += sum;
         }
       }
-      float sc[kW4Lanes], of[kW4Lanes];
+      uint16_t sc[kW4Lanes], of[kW4Lanes];
       std::memcpy(sc, p + 8 * group, sizeof sc);
       std::memcpy(of, p + 8 * group + sizeof sc, sizeof of);
       const float sx = a.sx[r * a.ldg + g], xs = a.xs[r * a.ldg + g];
-      for (int64_t i = 0; i < kW4Lanes; ++i) acc[i] = (acc[i] + (static_cast<float>(s[i]) * sx) * sc[i]) + xs * of[i];
+      for (int64_t i = 0; i < kW4Lanes; ++i)
+        acc[i] = (acc[i] + (static_cast<float>(s[i]) * sx) * w4_half_to_float(sc[i])) + xs * w4_half_to_float(of[i]);
     }
     std::memcpy(out + r * kW4Lanes, acc, sizeof acc);
   }
@@ -104,11 +105,12 @@ void check_shape(int64_t N, int64_t K, int64_t group, const char* op) {
 }
 
 at::Tensor group_params(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && at::isFloatingType(t.scalar_type()), "w4_pack: ", what,
-              " must be a floating-point CPU tensor");
+  // float16 and nothing else: a wider tensor would be rounded here, out of the reference's sight.
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf, "w4_pack: ", what,
+              " must be a float16 CPU tensor, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == G, "w4_pack: ", what, " must be [N, K / group] = [", N,
               ", ", G, "], got ", t.sizes());
-  return t.to(at::kFloat).contiguous();
+  return t.contiguous();
 }
 
 }  // namespace
@@ -175,7 +177,7 @@ at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
                    oc = group_params(offsets, N, G, "offsets");
   at::Tensor out = at::empty({quasar::w4_packed_bytes(N, K, group)}, q.options().dtype(at::kByte));
   const uint8_t* qs = static_cast<const uint8_t*>(qc.data_ptr());  // int8 0..15 reads the same
-  const float *s = sc.data_ptr<float>(), *o = oc.data_ptr<float>();
+  const uint16_t *s = static_cast<const uint16_t*>(sc.data_ptr()), *o = static_cast<const uint16_t*>(oc.data_ptr());
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t vb = quasar::w4_vector_bytes(K, group), gb = quasar::w4_group_bytes(group);
   const int64_t vectors = (N + quasar::kW4Lanes - 1) / quasar::kW4Lanes;
@@ -185,11 +187,11 @@ at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
     for (int64_t v = v0; v < v1; ++v)
       for (int64_t g = 0; g < G; ++g) {
         uint8_t* blk = dst + v * vb + g * gb;
-        float lane_s[quasar::kW4Lanes], lane_o[quasar::kW4Lanes];
+        uint16_t lane_s[quasar::kW4Lanes], lane_o[quasar::kW4Lanes];
         for (int64_t i = 0; i < quasar::kW4Lanes; ++i) {
           const int64_t n = v * quasar::kW4Lanes + i;
-          lane_s[i] = n < N ? s[n * G + g] : 0.0f;
-          lane_o[i] = n < N ? o[n * G + g] : 0.0f;
+          lane_s[i] = n < N ? s[n * G + g] : uint16_t{0};
+          lane_o[i] = n < N ? o[n * G + g] : uint16_t{0};
           for (int64_t st = 0; st < group / 8; ++st)
             for (int j = 0; j < 4; ++j) {
               uint8_t byte = 0;

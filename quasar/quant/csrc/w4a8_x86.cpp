@@ -35,15 +35,15 @@ inline int32_t load_u32(const int8_t* p) {
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 // A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
-// at `so` (after its nibbles), the exact sums s of R rows, into their accumulators.
+// (float16, widened exactly by vcvtph2ps) at `so` (after its nibbles), the exact sums s of R rows, into their accumulators.
 template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void group_epilogue_256(const uint8_t* so, const W4Acts& a,
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(const uint8_t* so, const W4Acts& a,
                                                                                 int64_t g, const __m256i (&s)[R][2],
                                                                                 __m256 (&acc)[R][2]) {
-  if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
+  if (R == 1) prefetch(so + kPrefetchBytes);
   for (int h = 0; h < 2; ++h) {
-    const __m256 sc = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 32 * h));
-    const __m256 of = _mm256_loadu_ps(reinterpret_cast<const float*>(so + 64 + 32 * h));
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 16 * h)));
+    const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 32 + 16 * h)));
     for (int r = 0; r < R; ++r) {
       const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
       const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
@@ -64,7 +64,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void group_epilogue_25
 constexpr int64_t kStepsPerFlush = 4;
 
 template <int R>
-__attribute__((target("avx2,fma"))) void rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a,
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a,
                                                    float* out) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -109,7 +109,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const uint8_t* vec, int64_t K
 // 256-bit vpdpbusd: u8 nibbles x s8 activations, four products summed into each int32 lane,
 // exact (no +128 shift of the activations, so no compensation term).
 template <int R>
-__attribute__((target("avx2,fma,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group,
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group,
                                                                const W4Acts& a, float* out) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -170,8 +170,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
       }
     }
     const uint8_t* so = p + 8 * group;
-    if (R == 1) prefetch(so + kPrefetchBytes), prefetch(so + 64 + kPrefetchBytes);
-    const __m512 sc = _mm512_loadu_ps(so), of = _mm512_loadu_ps(so + 64);
+    if (R == 1) prefetch(so + kPrefetchBytes);
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
+    const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + 32)));
     for (int r = 0; r < R; ++r) {
       const __m512 sx = _mm512_set1_ps(a.sx[r * a.ldg + g]), xs = _mm512_set1_ps(a.xs[r * a.ldg + g]);
       const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sl[r], sh[r])), sx), sc);
