@@ -59,16 +59,19 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str | None = None,
-                 verifier: str = DEFAULT_VERIFIER, draft: DraftOptions | None = None,
+                 verifier: str | None = None, draft: DraftOptions | None = None,
                  max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
                  quant: QuantOptions | None = None, max_batch: int = DEFAULT_MAX_BATCH):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if threads:
             torch.set_num_threads(threads)
-        parse_verifier(verifier)
+        if verifier is not None:
+            parse_verifier(verifier)
         # The per-call defaults: `draft` (its drafter replaced by `drafter` when given).
         self.draft = (draft or DraftOptions()).replace(drafter=drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
+        # default: what a quantized checkpoint is (w8a8 or w4a8), else W8A8
+        verifier = verifier or self.loaded.quant_kind or DEFAULT_VERIFIER
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.verifier, self.dtype = verifier, dtype
@@ -137,9 +140,9 @@ class LLM:
 
     def _float_model(self) -> Transformer:
         if self.loaded.quantized:  # its `model` is the int8 one: "fp" would silently time W8A8
-            raise QuasarError(f"{self.loaded.source} is a W8A8 checkpoint with no float weights; the fp and "
-                              "pruned verifiers need the float model (its directory or GGUF file)",
-                              param="verifier")
+            raise QuasarError(f"{self.loaded.source} is a {self.loaded.quant_kind.upper()} checkpoint with no float "
+                              "weights; the fp and pruned verifiers need the float model (its directory or GGUF "
+                              "file)", param="verifier")
         return self.model
 
     def _w8a8(self) -> Transformer:

@@ -70,6 +70,7 @@ def run_generate(args) -> int:
     prompt = _read_prompt(args)
     options = _decode_options(args)  # bad options fail here, before any one-time work
     llm = LLM(args.model, dtype=args.dtype, draft=options.draft, verifier=args.verifier, threads=args.threads)
+    args.verifier = llm.verifier  # the default resolved (a quantized checkpoint's own kind)
     # One-time work (quantizing or loading the W8A8 copy, loading its kernels, measuring its
     # step) on its own line, so the decode rate below is decoding only.
     seconds = llm.prepare(args.verifier, progress=sys.stderr.isatty())

@@ -49,7 +49,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=DEFAULT_DRAFTER,
                    help=f"auto | none | ngram | tree (default {DEFAULT_DRAFTER}: tree drafts where the W8A8 step's "
                         "extra rows are cheap, on CPUs with AMX tiles, else ngram)")
-    p.add_argument("--verifier", default=DEFAULT_VERIFIER, help="fp | w8a8 | w4a8 | pruned:F")
+    p.add_argument("--verifier", default=None,
+                   help=f"fp | w8a8 | w4a8 | pruned:F (default: {DEFAULT_VERIFIER}; a quantized checkpoint: its own)")
     add_draft_args(p)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
                    help="choose the draft length per step (up to k + 3) from recent acceptance")

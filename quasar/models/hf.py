@@ -64,6 +64,9 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+_QUANT_PARAMS = ("_scale", ".scales", ".offsets")
+
+
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
                 dtype: torch.dtype = torch.float32, quant_config: dict | None = None) -> Transformer:
     """Instantiate the decoder and fill it from `tensors` (HF names), strictly."""
@@ -86,7 +89,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
         if unexpected:
             parts.append(f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
         raise QuasarError(f"{source}: weights do not match a {cfg.model_type} model ({'; '.join(parts)})")
-    state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("_scale") else v)
+    # Quantization scales keep their stored dtype (int8 layers' float32 ``*_scale``, 4-bit
+    # layers' float16 ``*.scales`` / ``*.offsets``); only the float model's tensors take `dtype`.
+    state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(_QUANT_PARAMS) else v)
              for k, v in tensors.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:

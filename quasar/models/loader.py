@@ -33,8 +33,9 @@ def stored_dtype(raw_config: dict) -> torch.dtype:
 class LoadedModel:
     """A model directory opened for decoding: its config and tokenizer now, its weights lazily.
 
-    `quantized` says the directory is itself a W8A8 checkpoint (config.json has a
-    quantization_config); then `model` is that quantized model, otherwise the float one.
+    `quantized` says the directory is itself a W8A8 or W4A8 checkpoint (config.json has a
+    quantization_config; `quant_kind` says which); then `model` is that quantized model,
+    otherwise the float one.
     """
 
     def __init__(self, tokenizer: Tokenizer, model_dir: Path, source: str, config: ModelConfig,
@@ -50,6 +51,14 @@ class LoadedModel:
     @property
     def quantized(self) -> bool:
         return self.quantization_config is not None
+
+    @property
+    def quant_kind(self) -> str | None:
+        """The verifier a quantized checkpoint is ("w8a8" or "w4a8"); None for a float model."""
+        if not self.quantized:
+            return None
+        qc = self.quantization_config
+        return "w4a8" if isinstance(qc, dict) and qc.get("quant_method") == "quasar-w4a8" else "w8a8"
 
     @property
     def model(self) -> Transformer:

@@ -1,6 +1,6 @@
-"""`quasar quantize` and `quasar export`: write W8A8 checkpoints.
+"""`quasar quantize` and `quasar export`: write W8A8 (and W4A8) checkpoints.
 
-    quasar quantize --model M --out DIR [--alpha auto|FLOAT] [--calib FILE] [--samples N]
+    quasar quantize --model M --out DIR [--bits 8|4] [--alpha auto|FLOAT] [--calib FILE] [--samples N]
                     [--seq-len L] [--lm-head int8|float] [--no-smooth-o-down] [--no-rotate] [--no-gptq]
     quasar export --format compressed-tensors --model M --out DIR
 
@@ -46,12 +46,16 @@ def register(sub) -> None:
     from quasar.cli_args import add_model_args
 
     p = sub.add_parser(
-        "quantize", help="write a W8A8 (int8 weights + int8 activations) checkpoint",
+        "quantize", help="write a W8A8 (int8 weights + int8 activations) or W4A8 checkpoint",
         description="Calibrate on text, fold SmoothQuant scales into the float weights, quantize every "
                     "decoder linear to int8 and write a self-contained model directory that "
-                    "'--model DIR' loads without recalibrating.")
+                    "'--model DIR' loads without recalibrating. --bits 4 writes the W4A8 verifier instead.")
     add_model_args(p)
     p.add_argument("--out", required=True, help="output directory (must not exist)")
+    p.add_argument("--bits", type=int, choices=[8, 4], default=8,
+                   help="weight bits: 8 = W8A8 (calibrated, smoothed; the default), 4 = W4A8 (a 4-bit GGUF's "
+                        "own groups, other layers and the head int8; a float model rounded to groups of 32; "
+                        "nothing calibrated, so the calibration options below do not apply)")
     _add_quant_args(p)
     p.add_argument("--lm-head", choices=["int8", "float"], default=None,
                    help="quantize lm_head too (int8) or keep it float (default: int8)")
@@ -95,10 +99,16 @@ def _size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
 
 
+# The flags that only the calibrated W8A8 recipe reads (dest names); given with --bits 4 they are an error.
+_W8_ONLY = ("alpha", "calib", "samples", "seq_len", "rotate", "gptq", "down_act_bits", "lm_head")
+
+
 def run_quantize(args) -> int:
     from quasar.errors import QuasarError
 
     out = _check_out(args.out)
+    if args.bits == 4:
+        return _run_quantize_w4(args, out)
     opts = _quant_options(args)
     calib_text = None
     if opts.calib is not None:
@@ -125,6 +135,38 @@ def run_quantize(args) -> int:
           f"down_act_bits={info['down_act_bits']}, "
           f"{_size_mb(out):.0f} MB, "
           f"{time.perf_counter() - t0:.0f} s, peak RSS {peak_rss_gb():.2f} GB", file=sys.stderr)
+    return 0
+
+
+def _run_quantize_w4(args, out: Path) -> int:
+    from quasar.errors import QuasarError
+
+    given = [f"--{k.replace('_', '-')}" for k in _W8_ONLY if getattr(args, k, None) is not None]
+    given += ["--no-smooth-o-down"] if args.no_smooth_o_down else []
+    if given:
+        raise QuasarError(f"{', '.join(given)} do not apply to --bits 4 (the W4A8 recipe is not calibrated)")
+    import torch
+
+    from quasar.models.loader import load_model
+    from quasar.quant.w4a8_checkpoint import save_w4a8_checkpoint
+    from quasar.quant.w4a8_verifier import build_w4a8
+    from quasar.resources import peak_rss_gb
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, args.dtype)
+    if loaded.quantized:
+        raise QuasarError(f"{args.model} is already a {loaded.quant_kind.upper()} checkpoint")
+    if not args.no_progress:
+        print("building the W4A8 model layer by layer...", file=sys.stderr)
+    model = build_w4a8(loaded)
+    save_w4a8_checkpoint(model, out, loaded.model_dir, {"source": str(args.model)})
+    counts = {kind: sum(type(m).__name__ == cls for m in model.modules())
+              for kind, cls in (("4-bit", "W4A8Linear"), ("8-bit", "Int8Linear"))}
+    print(f"wrote {out}: W4A8, group 32, {counts['4-bit']} layers 4-bit, {counts['8-bit']} int8 (the head "
+          f"included), {_size_mb(out):.0f} MB, {time.perf_counter() - t0:.0f} s, peak RSS {peak_rss_gb():.2f} GB",
+          file=sys.stderr)
     return 0
 
 

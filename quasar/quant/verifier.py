@@ -79,6 +79,9 @@ def w8a8_verifier(loaded, options: QuantOptions | None = None, *, cache: bool = 
     options = options or QuantOptions()
     model_dir = Path(loaded.model_dir)
     if loaded.quantized:
+        if loaded.quant_kind != "w8a8":
+            raise QuasarError(f"{loaded.source} is a {loaded.quant_kind.upper()} checkpoint; decode it with "
+                              f"--verifier {loaded.quant_kind}, or give the float model for w8a8", param="verifier")
         return _with_backend(loaded.model, options.backend)
     if progress is None:
         progress = sys.stderr.isatty()

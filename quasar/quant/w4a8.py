@@ -22,16 +22,18 @@ __all__ = ["W4A8Linear"]
 
 
 class W4A8Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, group: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, group: int, bias: bool = False,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         if group not in GROUP_SIZES:
             raise QuasarError(f"W4A8 group size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group!r}")
         self.in_features, self.out_features, self.group = in_features, out_features, group
         g = n_groups(in_features, group)
-        self.register_buffer("qweight", torch.zeros(out_features, -(-in_features // 2), dtype=torch.uint8))
-        self.register_buffer("scales", torch.ones(out_features, g, dtype=SCALE_DTYPE))
-        self.register_buffer("offsets", torch.zeros(out_features, g, dtype=SCALE_DTYPE))
-        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.register_buffer("qweight", torch.zeros(out_features, -(-in_features // 2), dtype=torch.uint8,
+                                                    device=device))
+        self.register_buffer("scales", torch.ones(out_features, g, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("offsets", torch.zeros(out_features, g, dtype=SCALE_DTYPE, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
         self._kernel_packing: tuple | None = None  # (qweight identity, the op's packed tensor)
 
     @classmethod

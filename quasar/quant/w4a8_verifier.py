@@ -12,13 +12,19 @@ projection, as the W8A8 verifier quantizes it). A model given as a float directo
 4-bit groups: its layers are rounded to symmetric int4 groups of 32 (round to nearest; the
 GPTQ pipeline for W4 is still to come), the output head to int8.
 
-Built in memory from the memory-mapped float weights and the GGUF file, a layer at a time
-(nothing is calibrated: seconds for the default model); not cached yet.
+Built from the memory-mapped float weights and the GGUF file, a layer at a time (nothing
+is calibrated: seconds for the default model, about half a minute at 1.5B), then written to
+``$QUASAR_CACHE/w4a8/`` as a W4A8 checkpoint (quasar.quant.w4a8_checkpoint) keyed like the
+W8A8 cache, so later runs load it; ``quasar quantize --bits 4`` writes the same checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +40,9 @@ from quasar.quant.options import DEFAULT_DOWN_ACT_BITS
 from quasar.quant.w4a8 import W4A8Linear
 
 GROUP = 32  # GGUF's 4-bit blocks hold groups of 32; float sources use the same
+# What build_w4a8 makes, named in the cache key: change it when the recipe changes, so old
+# cache entries are not taken for the new verifier.
+RECIPE = "gguf-int4-groups, other layers int8 (down_proj 15-bit acts), int8 head, float16 group params, v2"
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj")
 
@@ -83,13 +92,54 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def w4a8_verifier(loaded) -> Transformer:
-    """The W4A8 Transformer of `loaded` (a LoadedModel of a float directory or GGUF file)."""
+def cache_path(loaded) -> Path:
+    """The cache entry of `loaded`'s W4A8 verifier, keyed like W8A8's: the model directory's
+    identity, the GGUF file's (its 4-bit groups are read from it), the recipe and the format."""
+    from quasar.paths import cache_dir
+    from quasar.quant.verifier import model_identity
+    from quasar.quant.w4a8_checkpoint import FORMAT_VERSION
+
+    gguf = gguf_source(loaded)
+    gguf_id = [str(gguf.resolve()), gguf.stat().st_size, gguf.stat().st_mtime_ns] if gguf is not None else None
+    blob = json.dumps({"model": model_identity(Path(loaded.model_dir)), "gguf": gguf_id, "recipe": RECIPE,
+                       "format": FORMAT_VERSION}, sort_keys=True, default=str)
+    name = Path(loaded.model_dir).resolve().name
+    return cache_dir("w4a8") / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:
+    """The W4A8 Transformer of `loaded` (a LoadedModel of a float directory or GGUF file, or
+    a W4A8 checkpoint, given as it is): loaded from the cache when built before, else built
+    (``build_w4a8``) and written there (a read-only or full cache only warns)."""
     from quasar.models.hf import load_hf_dir
+    from quasar.quant.w4a8_checkpoint import save_w4a8_checkpoint
 
     if loaded.quantized:
-        raise QuasarError(f"{loaded.source} is a W8A8 checkpoint; the w4a8 verifier needs the float model "
-                          "(its directory or GGUF file)", param="verifier")
+        if loaded.quant_kind != "w4a8":
+            raise QuasarError(f"{loaded.source} is a W8A8 checkpoint; the w4a8 verifier needs the float model "
+                              "(its directory or GGUF file) or a W4A8 checkpoint", param="verifier")
+        return loaded.model
+    target = cache_path(loaded) if cache else None
+    if target is not None and (target / "config.json").is_file():
+        try:
+            return load_hf_dir(target, torch.float32)
+        except QuasarError as e:  # a damaged entry: build it again
+            print(f"warning: rebuilding the W4A8 cache entry {target} ({e})", file=sys.stderr)
+            shutil.rmtree(target, ignore_errors=True)
+    model = build_w4a8(loaded)
+    if target is not None:
+        try:
+            save_w4a8_checkpoint(model, target, loaded.model_dir, {"source": str(loaded.source)}, exist_ok=True)
+        except OSError as e:
+            print(f"warning: could not cache the W4A8 model in {target} ({e})", file=sys.stderr)
+    return model
+
+
+def build_w4a8(loaded) -> Transformer:
+    """Build the W4A8 Transformer of `loaded` (a float directory or GGUF file) in memory, a
+    layer at a time (RECIPE)."""
+    from quasar.models.hf import load_hf_dir
+
     gguf = gguf_source(loaded)
     groups = gguf_int4_groups(gguf, loaded.config) if gguf is not None else None
     model = load_hf_dir(Path(loaded.model_dir), torch.float32)  # memory-mapped: a layer is read when replaced

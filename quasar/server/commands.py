@@ -104,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     llm = LLM(args.model, dtype=args.dtype, draft=draft, verifier=args.verifier,
               max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads, max_batch=args.max_batch)
+    args.verifier = llm.verifier  # the default resolved (a quantized checkpoint's own kind)
     app = create_app(llm, api_key=api_key, max_queue=args.max_queue, model_name=args.served_model_name,
                      default_max_tokens=args.default_max_tokens)
     # The weights load lazily: build the default verifier before listening, so bad weights

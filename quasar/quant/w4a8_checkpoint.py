@@ -1,0 +1,123 @@
+"""W4A8 checkpoints: what ``quasar quantize --bits 4`` writes and the W4A8 cache holds.
+
+A Hugging Face directory like the W8A8 checkpoint (quasar.quant.checkpoint): config.json,
+one safetensors shard, the tokenizer. Each layer keeps the names its module has, so the
+loader's strict state-dict load checks every tensor:
+
+- a 4-bit layer (``W4A8Linear``): ``NAME.qweight`` uint8 [out, in / 2] (two weights a byte,
+  w4a8_numerics.pack_int4), ``NAME.scales`` and ``NAME.offsets`` float16 [out, in / group]
+  (w = scale * q + offset), ``NAME.bias`` where the layer has one;
+- an 8-bit layer (``Int8Linear``: a Q4_K_M file's Q6_K tensors, the output head):
+  ``NAME.weight`` int8 [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's.
+
+``quantization_config`` is ``{"quant_method": "quasar-w4a8", "version", "group_size",
+"down_act_bits", "lm_head", "source"}``. The affine groups carry float offsets (GGUF's Q4_K
+minimums), which compressed-tensors' integer zero points cannot hold, so the format is our
+own and vLLM does not read it; the W8A8 export stays the interop path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quasar.errors import QuasarError
+from quasar.models.llama import Transformer
+from quasar.quant import fused_step
+from quasar.quant.int8 import Int8Linear
+from quasar.quant.numerics import ACT_BITS
+from quasar.quant.w4a8 import W4A8Linear
+from quasar.quant.w4a8_numerics import GROUP_SIZES, SCALE_DTYPE
+
+QUANT_METHOD = "quasar-w4a8"
+FORMAT_VERSION = 1
+
+
+def w4a8_config(model: Transformer, info: dict) -> dict:
+    """config.json of a W4A8 ``model``: its config (an int8 or 4-bit head unties it) and the
+    ``quantization_config`` of the module docstring, ``info`` (e.g. the source) added."""
+    groups = {m.group for m in model.modules() if isinstance(m, W4A8Linear)}
+    if len(groups) != 1:
+        raise QuasarError(f"a W4A8 checkpoint holds one group size; this model has {sorted(groups) or 'none'}")
+    down = {m.act_bits for n, m in model.named_modules() if isinstance(m, Int8Linear) and n.endswith("mlp.down_proj")}
+    head = "int8" if isinstance(model.lm_head, Int8Linear) else "w4a8" if isinstance(model.lm_head, W4A8Linear) \
+        else "float"
+    cfg = model.config
+    if head != "float":
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
+    config = cfg.to_hf()
+    config["torch_dtype"] = "float32"
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "version": FORMAT_VERSION,
+                                     "group_size": groups.pop(), "down_act_bits": max(down, default=8),
+                                     "lm_head": head, **info}
+    return config
+
+
+def save_w4a8_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str | Path, info: dict | None = None,
+                         exist_ok: bool = False) -> Path:
+    """Write a W4A8 ``model`` held in memory as a self-contained directory (one shard),
+    atomically: ``--model OUT`` loads it without the float model or the GGUF file."""
+    from quasar.quant.checkpoint import _state_tensors, _write_one_shard
+
+    if not any(isinstance(m, W4A8Linear) for m in model.modules()):
+        raise QuasarError("save_w4a8_checkpoint expects a W4A8 model (quasar.quant.w4a8_verifier)")
+    config = w4a8_config(model, info or {})
+    tensors = _state_tensors(model, config["tie_word_embeddings"])
+    return _write_one_shard(Path(out), config, tensors, Path(tokenizer_dir), exist_ok)
+
+
+def _check_config(qc: dict) -> tuple[int, int]:
+    version, group, down = qc.get("version"), qc.get("group_size"), qc.get("down_act_bits", 8)
+    if version != FORMAT_VERSION:
+        raise QuasarError(f"W4A8 checkpoint format version {version!r} is not supported (this Quasar reads "
+                          f"{FORMAT_VERSION}); quantize the model again")
+    if group not in GROUP_SIZES:
+        raise QuasarError(f"W4A8 checkpoint: group_size {group!r} is not one of {', '.join(map(str, GROUP_SIZES))}")
+    if down not in ACT_BITS:
+        raise QuasarError(f"W4A8 checkpoint: down_act_bits {down!r} is not one of {', '.join(map(str, ACT_BITS))}")
+    return group, down
+
+
+def _expect(tensors: dict, key: str, dtype: torch.dtype) -> None:
+    t = tensors.get(key)
+    if t is None:
+        raise QuasarError(f"W4A8 checkpoint lacks {key}")
+    if t.dtype != dtype:
+        raise QuasarError(f"W4A8 checkpoint: {key} is {t.dtype}, expected {dtype}")
+
+
+def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) -> int:
+    """Swap the (meta-device) model's quantized ``nn.Linear``s for ``W4A8Linear`` (where the
+    checkpoint has ``NAME.qweight``) or ``Int8Linear`` (an int8 ``NAME.weight``) before the
+    loader's strict state-dict load; returns how many were swapped."""
+    group, down_bits = _check_config(quant_config)
+    modules = dict(model.named_modules())
+    swapped = 0
+    for name, module in list(modules.items()):
+        if not isinstance(module, nn.Linear):
+            continue
+        bias = module.bias is not None
+        if f"{name}.qweight" in tensors:
+            _expect(tensors, f"{name}.qweight", torch.uint8)
+            for part in ("scales", "offsets"):
+                _expect(tensors, f"{name}.{part}", SCALE_DTYPE)
+            new: nn.Module = W4A8Linear(module.in_features, module.out_features, group, bias, device="meta")
+        elif f"{name}.weight_scale" in tensors:
+            _expect(tensors, f"{name}.weight", torch.int8)
+            new = Int8Linear(module.in_features, module.out_features, bias=bias, device="meta",
+                             act_bits=down_bits if name.endswith("mlp.down_proj") else 8)
+        else:
+            continue
+        if name == "lm_head" and model.config.tie_word_embeddings:
+            raise QuasarError("W4A8 checkpoint has a quantized lm_head but ties it to the embeddings")
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, new)
+        swapped += 1
+    if not any(isinstance(m, W4A8Linear) for m in model.modules()):
+        raise QuasarError("W4A8 checkpoint has no 4-bit layer (no NAME.qweight tensor)")
+    model.quant_kind = "w4a8"
+    fused_step.install(model)
+    return swapped
