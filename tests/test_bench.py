@@ -163,6 +163,11 @@ def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
     tree_l = next(r for r in res["ratios"] if r["name"].startswith("quasar-tree acceptance"))
     assert tree_l["value"] == pytest.approx(res["modes"]["quasar-tree"]["mean_accepted"]
                                             / res["modes"]["quasar"]["mean_accepted"])
+    # exactness: both drafting modes give ar-w8a8's greedy tokens, and the report says so
+    assert res["modes"]["quasar"]["same_output_as_own_ar"] == res["modes"]["quasar-tree"]["same_output_as_own_ar"] == 1
+    assert res["modes"]["ar-w8a8"]["same_output_as_own_ar"] is None and not res["warnings"]
+    assert "Exactness (greedy drafting gives its verifier's autoregressive tokens): quasar 100% of prompts, " \
+           "quasar-tree 100% of prompts" in (tmp_path / "o" / "report.md").read_text()
     # int8 weights: fewer bytes per step than the float model
     assert res["modes"]["ar-w8a8"]["bytes_per_step"] < res["modes"]["ar-fp"]["bytes_per_step"]
     base = res["modes"]["ar-fp"]["tokens_per_s"]
@@ -230,6 +235,7 @@ def test_aggregate_definitions():
     assert m["floor_fraction"] == pytest.approx(10.0 / (2000 / 12))
     assert m["accepted_hist"] == {"1": 10, "2": 1, "5": 1}
     assert m["same_output_as_ar_fp"] == 0.5
+    assert m["same_output_as_own_ar"] is None  # no record compared with its verifier's AR mode
     assert m["kv_bytes_per_step"] is None  # records without a KV estimate: weights alone
 
 

@@ -181,6 +181,11 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
     fidelity = results.get("fidelity")
     if fidelity is not None:
         L.append(_fidelity_setup(fidelity))
+    exact = {name: m["same_output_as_own_ar"] for name, m in results.get("modes", {}).items()
+             if m.get("same_output_as_own_ar") is not None}
+    if exact:
+        L.append("- Exactness (greedy drafting gives its verifier's autoregressive tokens): "
+                 + ", ".join(f"{name} {v:.0%} of prompts" for name, v in exact.items()))
     L += ["", "## Overall", ""]
     L += engine_table(results, fidelity)
     L += ["", "## Ratios", ""]

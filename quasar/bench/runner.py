@@ -339,6 +339,7 @@ def aggregate(records: list[dict], bytes_per_step: int | None, bandwidth_gbps: f
     read = bytes_per_step + (kv_per_step or 0) if bytes_per_step else None
     floor_s = read / (bandwidth_gbps * 1e9) if read and bandwidth_gbps else None
     same = [r["same_as_ar_fp"] for r in records if r.get("same_as_ar_fp") is not None]
+    exact = [r["same_as_own_ar"] for r in records if r.get("same_as_own_ar") is not None]
     return {
         "tokens_per_s": rate / decode if decode > 0 else 0.0,
         "e2e_tokens_per_s": new / wall if wall > 0 else 0.0,
@@ -357,6 +358,7 @@ def aggregate(records: list[dict], bytes_per_step: int | None, bandwidth_gbps: f
         "accepted_hist": {str(k): v for k, v in sorted(hist.items())},
         "prompts": len(records),
         "same_output_as_ar_fp": sum(same) / len(same) if same else None,
+        "same_output_as_own_ar": sum(exact) / len(exact) if exact else None,
         "deterministic": all(r["deterministic"] for r in records),
     }
 
@@ -447,6 +449,15 @@ def _warm_up(cfg: BenchConfig, llm, candidates: list[Contender], prompts: list[B
     return engines, unavailable
 
 
+def own_ar_mode(e: Contender, engines: list[Contender]) -> str | None:
+    """The autoregressive mode of the run on drafting mode `e`'s verifier (quasar, quasar-tree:
+    ar-w8a8; quasar-w4a8: ar-w4a8), whose greedy tokens `e` must reproduce; None if none ran."""
+    if e.kind != "mode" or e.drafter == "none":
+        return None
+    return next((o.name for o in engines if o.kind == "mode" and o.drafter == "none" and o.verifier == e.verifier),
+                None)
+
+
 def _time_prompt(cfg: BenchConfig, llm, p: BenchPrompt, engines: list[Contender], bar,
                  warnings: list[str]) -> dict:
     """One prompt's record: every engine `repeats` times, interleaved, the median kept."""
@@ -465,6 +476,13 @@ def _time_prompt(cfg: BenchConfig, llm, p: BenchPrompt, engines: list[Contender]
         rec["same_as_ar_fp"] = None if base_ids is None else rec["token_ids"] == base_ids
         if not rec["deterministic"]:
             warnings.append(f"{name} gave different tokens across repeats on prompt {p.id}")
+    for e in engines:  # exactness: greedy drafting must give its verifier's own tokens
+        ar = own_ar_mode(e, engines)
+        if ar is not None:
+            same = recs[e.name]["same_as_own_ar"] = recs[e.name]["token_ids"] == recs[ar]["token_ids"]
+            if not same:
+                warnings.append(f"{e.name}'s greedy tokens differ from {ar}'s on prompt {p.id}: speculative "
+                                "decoding must give its verifier's own tokens")
     return {"task": p.task, "id": p.id, "prompt_tokens": len(p.ids), "chat": p.chat, "engines": recs}
 
 
