@@ -190,7 +190,7 @@ def _int8_args(m: Int8Linear, plan: _Plan, watch: list) -> bool:
 def _w4a8_args(m: W4A8Linear, plan: _Plan, watch: list) -> bool:
     """Append a W4A8Linear's packed weight to the plan (and what to watch); False if the op
     cannot run it (no W4A8 op, groups that do not divide its input)."""
-    kernel = m._op_packing()  # None without the W4A8 op (or its self-check failed), or for ragged groups
+    kernel = m.op_and_packing()  # None without the W4A8 op (or its self-check failed), or for ragged groups
     b = m._buffers["bias"]
     if kernel is None or (b is not None and not (b.dtype == torch.float32 and b.is_contiguous())):
         return False

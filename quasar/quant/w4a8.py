@@ -62,8 +62,10 @@ class W4A8Linear(nn.Module):
     def dequantized_weight(self) -> Tensor:
         return dequantize_w4(unpack_int4(self.qweight, self.in_features), self.scales, self.group, self.offsets)
 
-    def _op_packing(self):
-        """The C++ op and this weight in its layout (packed on first use), or None."""
+    def op_and_packing(self):
+        """The C++ op and this weight in its layout (packed on first use, kept while the
+        buffers stay the same tensors), or None without the op or for ragged groups. The
+        fused decoder step streams the same packing."""
         from quasar.quant import ext
 
         op = ext.w4a8_linear_op() if self.in_features % self.group == 0 else None  # the op takes whole groups
@@ -79,7 +81,7 @@ class W4A8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise QuasarError(f"W4A8Linear expects {self.in_features} input features, got {x.shape[-1]}")
         x2 = x.reshape(-1, self.in_features).float().contiguous()
-        kernel = self._op_packing() if x2.shape[0] else None
+        kernel = self.op_and_packing() if x2.shape[0] else None
         if kernel is not None:
             op, packed = kernel
             y = op(x2, packed, self.out_features, self.in_features, self.group, self.bias)
