@@ -148,8 +148,10 @@ def _run_quantize_w4(args, out: Path) -> int:
     import torch
 
     from quasar.models.loader import load_model
+    from quasar.quant.int8 import Int8Linear
+    from quasar.quant.w4a8 import W4A8Linear
     from quasar.quant.w4a8_checkpoint import save_w4a8_checkpoint
-    from quasar.quant.w4a8_verifier import build_w4a8
+    from quasar.quant.w4a8_verifier import GROUP, build_w4a8
     from quasar.resources import peak_rss_gb
 
     if args.threads:
@@ -162,11 +164,9 @@ def _run_quantize_w4(args, out: Path) -> int:
         print("building the W4A8 model layer by layer...", file=sys.stderr)
     model = build_w4a8(loaded)
     save_w4a8_checkpoint(model, out, loaded.model_dir, {"source": str(args.model)})
-    counts = {kind: sum(type(m).__name__ == cls for m in model.modules())
-              for kind, cls in (("4-bit", "W4A8Linear"), ("8-bit", "Int8Linear"))}
-    print(f"wrote {out}: W4A8, group 32, {counts['4-bit']} layers 4-bit, {counts['8-bit']} int8 (the head "
-          f"included), {_size_mb(out):.0f} MB, {time.perf_counter() - t0:.0f} s, peak RSS {peak_rss_gb():.2f} GB",
-          file=sys.stderr)
+    four, eight = (sum(isinstance(m, cls) for m in model.modules()) for cls in (W4A8Linear, Int8Linear))
+    print(f"wrote {out}: W4A8, group {GROUP}, {four} layers 4-bit, {eight} int8 (the head included), "
+          f"{_size_mb(out):.0f} MB, {time.perf_counter() - t0:.0f} s, peak RSS {peak_rss_gb():.2f} GB", file=sys.stderr)
     return 0
 
 

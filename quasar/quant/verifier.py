@@ -48,10 +48,11 @@ def cache_key(model_dir: Path, dtype: torch.dtype, key: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def cache_path(model_dir: Path, dtype: torch.dtype, key: dict) -> Path:
-    """The cache entry of `model_dir` quantized with options whose `QuantOptions.cache_key` is `key`."""
+def cache_path(model_dir: Path, dtype: torch.dtype, key: dict, kind: str = "w8a8") -> Path:
+    """The cache entry of `model_dir` quantized with options whose `QuantOptions.cache_key` is
+    `key`, under ``$QUASAR_CACHE/<kind>/`` (kind: w8a8, or w4a8 with its own key)."""
     name = f"{Path(model_dir).resolve().name}-{_DTYPE_NAMES.get(dtype, str(dtype))}"
-    return cache_dir("w8a8") / f"{name}-{cache_key(model_dir, dtype, key)}"
+    return cache_dir(kind) / f"{name}-{cache_key(model_dir, dtype, key)}"
 
 
 def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:

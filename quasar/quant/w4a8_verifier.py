@@ -21,8 +21,6 @@ W8A8 cache, so later runs load it; ``quasar quantize --bits 4`` writes the same 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import shutil
 import sys
 from collections.abc import Callable
@@ -93,18 +91,16 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def cache_path(loaded) -> Path:
-    """The cache entry of `loaded`'s W4A8 verifier, keyed like W8A8's: the model directory's
-    identity, the GGUF file's (its 4-bit groups are read from it), the recipe and the format."""
-    from quasar.paths import cache_dir
-    from quasar.quant.verifier import model_identity
+    """The cache entry of `loaded`'s W4A8 verifier, keyed like W8A8's (the model directory's
+    identity, quasar.quant.verifier.cache_key) and by the GGUF file its 4-bit groups are read
+    from, the recipe and the W4A8 format."""
+    from quasar.quant import verifier
     from quasar.quant.w4a8_checkpoint import FORMAT_VERSION
 
     gguf = gguf_source(loaded)
     gguf_id = [str(gguf.resolve()), gguf.stat().st_size, gguf.stat().st_mtime_ns] if gguf is not None else None
-    blob = json.dumps({"model": model_identity(Path(loaded.model_dir)), "gguf": gguf_id, "recipe": RECIPE,
-                       "format": FORMAT_VERSION}, sort_keys=True, default=str)
-    name = Path(loaded.model_dir).resolve().name
-    return cache_dir("w4a8") / f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+    key = {"gguf": gguf_id, "recipe": RECIPE, "w4a8_format": FORMAT_VERSION}
+    return verifier.cache_path(Path(loaded.model_dir), torch.float32, key, kind="w4a8")
 
 
 def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:

@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -50,8 +51,9 @@ void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts
       std::memcpy(sc, p + 8 * group, sizeof sc);
       std::memcpy(of, p + 8 * group + sizeof sc, sizeof of);
       const float sx = a.sx[r * a.ldg + g], xs = a.xs[r * a.ldg + g];
-      for (int64_t i = 0; i < kW4Lanes; ++i)
-        acc[i] = (acc[i] + (static_cast<float>(s[i]) * sx) * w4_half_to_float(sc[i])) + xs * w4_half_to_float(of[i]);
+      for (int64_t i = 0; i < kW4Lanes; ++i)  // c10's exact half -> float: vcvtph2ps's value
+        acc[i] = (acc[i] + (static_cast<float>(s[i]) * sx) * c10::detail::fp16_ieee_to_fp32_value(sc[i])) +
+                 xs * c10::detail::fp16_ieee_to_fp32_value(of[i]);
     }
     std::memcpy(out + r * kW4Lanes, acc, sizeof acc);
   }

@@ -21,7 +21,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "cpu_features.h"
 
@@ -31,30 +30,6 @@ constexpr int64_t kW4Lanes = 16;
 // Bytes of one group of one vector: the nibbles (16 lanes x group / 2), 16 scales, 16 offsets.
 inline int64_t w4_group_bytes(int64_t group) { return 8 * group + 2 * 2 * kW4Lanes; }
 
-// IEEE half -> float, exact (every half is a float): the portable kernel's widening, the same
-// value vcvtph2ps gives on x86.
-inline float w4_half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t{h & 0x8000u} << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | man << 13;  // inf, NaN
-  } else if (exp != 0) {
-    bits = sign | (exp + 112) << 23 | man << 13;  // normal: rebias 15 -> 127
-  } else if (man == 0) {
-    bits = sign;  // +-0
-  } else {  // subnormal: man * 2^-24, normalised
-    int e = -1;
-    uint32_t m = man;
-    do {
-      ++e;
-      m <<= 1;
-    } while (!(m & 0x400));
-    bits = sign | (112 - e) << 23 | (m & 0x3FF) << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 inline int64_t w4_vector_bytes(int64_t k, int64_t group) { return k / group * w4_group_bytes(group); }
 inline int64_t w4_packed_bytes(int64_t n, int64_t k, int64_t group) {
   return (n + kW4Lanes - 1) / kW4Lanes * w4_vector_bytes(k, group);

@@ -35,11 +35,11 @@ inline int32_t load_u32(const int8_t* p) {
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 // A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
-// (float16, widened exactly by vcvtph2ps) at `so` (after its nibbles), the exact sums s of R rows, into their accumulators.
+// (float16, widened exactly by vcvtph2ps) at `so` (after its nibbles), the exact sums s of R
+// rows, into their accumulators.
 template <int R>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(const uint8_t* so, const W4Acts& a,
-                                                                                int64_t g, const __m256i (&s)[R][2],
-                                                                                __m256 (&acc)[R][2]) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(
+    const uint8_t* so, const W4Acts& a, int64_t g, const __m256i (&s)[R][2], __m256 (&acc)[R][2]) {
   if (R == 1) prefetch(so + kPrefetchBytes);
   for (int h = 0; h < 2; ++h) {
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 16 * h)));
@@ -64,8 +64,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilog
 constexpr int64_t kStepsPerFlush = 4;
 
 template <int R>
-__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a,
-                                                   float* out) {
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, int64_t group,
+                                                        const W4Acts& a, float* out) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -109,8 +109,8 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
 // 256-bit vpdpbusd: u8 nibbles x s8 activations, four products summed into each int32 lane,
 // exact (no +128 shift of the activations, so no compensation term).
 template <int R>
-__attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group,
-                                                               const W4Acts& a, float* out) {
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K,
+                                                                    int64_t group, const W4Acts& a, float* out) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
