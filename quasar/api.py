@@ -301,7 +301,9 @@ class LLM:
 
     def kernel_path(self, verifier: str | None = None) -> str:
         """The kernel path `verifier` (None: this LLM's) decodes on: the int8 kernels' (amx,
-        avx512-vnni, avx-vnni, avx2 or portable) for w8a8, "pytorch" for float verifiers."""
+        avx512-vnni, avx-vnni, avx2 or portable) for w8a8, the 4-bit kernels' for w4a8 (its
+        int8 layers run the same path or, with AMX, the tiles), "pytorch" for float verifiers."""
         from quasar.quant import ext
 
-        return ext.kernel_path() if parse_verifier(verifier or self.verifier)[0] == "w8a8" else ext.PYTORCH_PATH
+        paths = {"w8a8": ext.kernel_path, "w4a8": ext.w4a8_kernel_path}
+        return paths.get(parse_verifier(verifier or self.verifier)[0], lambda: ext.PYTORCH_PATH)()

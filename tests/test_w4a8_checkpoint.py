@@ -12,6 +12,7 @@ import torch
 
 from quasar.errors import QuasarError
 from quasar.models.loader import load_model
+from quasar.quant import ext
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.w4a8 import W4A8Linear
 
@@ -71,7 +72,10 @@ def test_llm_decodes_a_w4a8_checkpoint_with_its_own_verifier(checkpoint) -> None
     assert llm.verifier == "w4a8"  # the default follows what the checkpoint is
     ref = LLM("default", verifier="w4a8")
     kw = dict(max_new_tokens=24, raw=True)
-    assert llm.generate("def fib(n):", **kw).token_ids == ref.generate("def fib(n):", **kw).token_ids
+    out = llm.generate("def fib(n):", **kw)
+    assert out.token_ids == ref.generate("def fib(n):", **kw).token_ids
+    # the result names the path its 4-bit kernels ran (never "pytorch" where the op is built)
+    assert out.kernel_path == ext.w4a8_kernel_path() and (ext.w4a8_linear_op() is None or out.kernel_path != "pytorch")
     with pytest.raises(QuasarError, match="is a W4A8 checkpoint; decode it with --verifier w4a8"):
         LLM(str(checkpoint), verifier="w8a8").generate("x", max_new_tokens=2)
     with pytest.raises(QuasarError, match="W4A8 checkpoint with no float weights"):
