@@ -22,6 +22,7 @@
 // (comp still to take off).
 #include "int8_gemm.h"
 
+#include <algorithm>
 #include <cstring>
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
@@ -38,6 +39,19 @@ namespace {
 // (1.6x): its few fill buffers, not the distance, are the limit; 2 and 8 KiB were no better.
 constexpr int64_t kPrefetchBytes = 4096;
 
+// The stream's next lines, asked for at `rate` lines (in 1/65536ths) per group of the passes
+// that compute on a tile already in cache (see StreamAhead), spread evenly over them; the
+// state carries over from pass to pass.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t left = 0, rate = 0, due = 0;
+};
+
+inline void ahead_line(Ahead& a) {
+  a.due += a.rate;
+  for (; a.due >= 65536 && a.left > 0; a.due -= 65536, --a.left, a.p += 64) _mm_prefetch(a.p, _MM_HINT_T1);
+}
+
 inline int32_t load_u32(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -48,16 +62,19 @@ inline int32_t load_u32(const uint8_t* p) {
 // fit AVX2's 16 ymm registers for (R, NV) in (1, 1..4), (2, 1..2).
 template <int R, int NV, bool kSymmetric>
 __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t,
-                                                   int64_t group_bytes, int32_t* acc) {
+                                                   int64_t group_bytes, int32_t* acc, Ahead* ahead) {
   __m256i a[R][NV][2];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) a[r][v][0] = a[r][v][1] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const int64_t groups = (K + 3) / 4;
+  Ahead ah = ahead ? *ahead : Ahead{};
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = t + g * group_bytes;
-    if (R == 1)  // the streaming pass: see kPrefetchBytes
+    if (!ahead)  // the streaming pass: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
+    else
+      ahead_line(ah);
     __m256i xb[R], xabs[R];
     for (int r = 0; r < R; ++r) {
       xb[r] = _mm256_xor_si256(_mm256_set1_epi32(load_u32(x + r * ldx + 4 * g)), flip);
@@ -78,6 +95,7 @@ __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx
         }
       }
   }
+  if (ahead) *ahead = ah;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v)
       for (int h = 0; h < 2; ++h)
@@ -88,15 +106,19 @@ __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx
 #define QUASAR_AVX_VNNI_KERNEL 1
 template <int R, int NV>
 __attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int64_t ldx, int64_t K,
-                                                           const int8_t* t, int64_t group_bytes, int32_t* acc) {
+                                                           const int8_t* t, int64_t group_bytes, int32_t* acc,
+                                                           Ahead* ahead) {
   __m256i a[R][NV][2];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) a[r][v][0] = a[r][v][1] = _mm256_setzero_si256();
   const int64_t groups = (K + 3) / 4;
+  Ahead ah = ahead ? *ahead : Ahead{};
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = t + g * group_bytes;
-    if (R == 1)  // the streaming pass: see kPrefetchBytes
+    if (!ahead)  // the streaming pass: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
+    else
+      ahead_line(ah);
     __m256i xb[R];
     for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_epi32(load_u32(x + r * ldx + 4 * g));
     for (int v = 0; v < NV; ++v)
@@ -105,6 +127,7 @@ __attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int
         for (int r = 0; r < R; ++r) a[r][v][h] = _mm256_dpbusd_avx_epi32(a[r][v][h], xb[r], w);
       }
   }
+  if (ahead) *ahead = ah;
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v)
       for (int h = 0; h < 2; ++h)
@@ -112,23 +135,34 @@ __attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int
 }
 #endif
 
-using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*);
+using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*, Ahead*);
 
 // The first row takes all the tile's vectors in one pass, so the tile is read from memory
 // as one stream (as the AVX512 kernel reads it; a pass over some of its vectors reads every
 // group's cache lines with gaps, and the next pass fetched the rest from memory again: a
 // 2-row step cost twice a 1-row step at 1.5B). The other rows then pass over the tile while
-// it is in cache, two at a time over pairs of vectors, where a weight load serves both rows.
+// it is in cache, two at a time over pairs of vectors, where a weight load serves both rows;
+// meanwhile they bring the stream's next bytes into L2 (see StreamAhead).
 template <PassFn (*Pick)(int, int, bool)>
 void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
-                   int32_t* acc, bool symmetric) {
-  const int64_t k4 = padded_k(K), group_bytes = stride * 64;
-  Pick(1, static_cast<int>(nv), symmetric)(x, k4, K, t + v0 * 64, group_bytes, acc);
+                   int32_t* acc, bool symmetric, const StreamAhead& next) {
+  const int64_t k4 = padded_k(K), group_bytes = stride * 64, groups = (K + 3) / 4;
+  const int64_t cached_passes = (next.tile_cached ? 1 : 0) + (nv + 1) / 2 * (M / 2);
+  Ahead ahead{};
+  if (cached_passes > 0 && next.bytes >= 64) {
+    const int64_t lines = next.bytes / 64;
+    ahead.p = reinterpret_cast<const char*>(next.p);
+    ahead.left = lines;
+    ahead.rate = std::min<int64_t>(4 << 16, (lines << 16) / (cached_passes * groups) + 1);
+  }
+  Pick(1, static_cast<int>(nv), symmetric)(x, k4, K, t + v0 * 64, group_bytes, acc,
+                                           next.tile_cached ? &ahead : nullptr);
   for (int64_t vc = 0; vc < nv; vc += 2) {
     const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
     for (int64_t r0 = 1; r0 < M; r0 += 2) {
       const int rows = M - r0 < 2 ? 1 : 2;
-      Pick(rows, nvc, symmetric)(x + r0 * k4, k4, K, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16);
+      Pick(rows, nvc, symmetric)(x + r0 * k4, k4, K, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16,
+                                 &ahead);
     }
   }
 }
@@ -157,16 +191,16 @@ PassFn pick_avx_vnni(int rows, int nv, bool) {  // u8 x s8 products: any int8 we
 }  // namespace
 
 void tile_rows_avx2(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
-                    int32_t* acc, bool symmetric) {
-  tile_rows_256<pick_avx2>(x, M, K, t, stride, v0, nv, acc, symmetric);
+                    int32_t* acc, bool symmetric, const StreamAhead& next) {
+  tile_rows_256<pick_avx2>(x, M, K, t, stride, v0, nv, acc, symmetric, next);
 }
 
 void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
-                        int64_t nv, int32_t* acc) {
+                        int64_t nv, int32_t* acc, const StreamAhead& next) {
 #ifdef QUASAR_AVX_VNNI_KERNEL
-  tile_rows_256<pick_avx_vnni>(x, M, K, t, stride, v0, nv, acc, false);
+  tile_rows_256<pick_avx_vnni>(x, M, K, t, stride, v0, nv, acc, false, next);
 #else
-  (void)x, (void)M, (void)K, (void)t, (void)stride, (void)v0, (void)nv, (void)acc;
+  (void)x, (void)M, (void)K, (void)t, (void)stride, (void)v0, (void)nv, (void)acc, (void)next;
   __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
 #endif
 }
@@ -176,10 +210,12 @@ void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t,
 #else  // not x86: these paths never run (cpu_runs is false), but the library links
 
 namespace quasar {
-void tile_rows_avx2(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*, bool) {
+void tile_rows_avx2(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*, bool,
+                    const StreamAhead&) {
   __builtin_trap();
 }
-void tile_rows_avx_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*) {
+void tile_rows_avx_vnni(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*,
+                        const StreamAhead&) {
   __builtin_trap();
 }
 }  // namespace quasar

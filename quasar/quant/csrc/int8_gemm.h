@@ -54,10 +54,19 @@ bool amx_enabled();
 // acc[r * kTile + c] for c < 16 nv. tile_rows_avx2 and tile_rows_portable give the exact
 // sums of q * w; tile_rows_avx_vnni (u8 x s8 like the AVX512 kernel) those of (q + 128) * w,
 // comp still to take off. symmetric: no weight of the tile is -128 (tiles_symmetric).
+// next: the weight bytes the calling thread reads after this tile, which the passes that
+// compute on the tile once it is in cache (rows after the first; every pass when
+// tile_cached, as for the low half of 15-bit activations) bring into L2 meanwhile, so the
+// memory keeps streaming while the cores multiply (see stream_ahead).
+struct StreamAhead {
+  const int8_t* p = nullptr;
+  int64_t bytes = 0;
+  bool tile_cached = false;
+};
 void tile_rows_avx2(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
-                    int32_t* acc, bool symmetric);
+                    int32_t* acc, bool symmetric, const StreamAhead& next);
 void tile_rows_avx_vnni(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
-                        int64_t nv, int32_t* acc);
+                        int64_t nv, int32_t* acc, const StreamAhead& next);
 void tile_rows_portable(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0,
                         int64_t nv, int32_t* acc);
 
