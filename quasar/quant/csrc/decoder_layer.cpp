@@ -37,7 +37,7 @@
 #include "step_kernels.h"
 #include "step_linears.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

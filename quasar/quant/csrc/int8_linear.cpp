@@ -30,7 +30,10 @@
 #include "int8_gemm.h"
 #include "activation_quant.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -13,7 +13,8 @@
 #include "int8_gemm.h"
 #include "w4a8_gemm.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
