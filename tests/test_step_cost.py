@@ -67,9 +67,9 @@ def test_measured_costs_are_cached_per_kernel_path_unless_disturbed(tiny_w8a8, d
     probes = []
     plan = [(1e-3, 1.1e-3, 1.2e-3, 1.4e-3, 2.0e-3), (1e-3, 1e-3, 2e-4, 1.4e-3, 2.0e-3)]  # the second: disturbed
 
-    def fake_probe(model):
+    def fake_probe(model, choose_prefetch):
         probes.append(model)
-        return plan[min(len(probes) - 1, 1)]
+        return plan[min(len(probes) - 1, 1)], (False if choose_prefetch else None)
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.setattr(step_cost, "_probe", fake_probe)
@@ -83,3 +83,36 @@ def test_measured_costs_are_cached_per_kernel_path_unless_disturbed(tiny_w8a8, d
     assert len(probes) == 3 and tiny_w8a8.step_costs == first
     float_model = load_model(make_tiny_model(tmp_path / "f", "qwen3", default_model_dir)).model
     assert step_cost.measure(float_model) is None  # no fused step: nothing to measure
+
+
+@pytest.mark.skipif(ext.decoder_layer_op() is None or not ext.cpu_runs("avx2"),
+                    reason="the fused step on the AVX2 path needs the C++ ops and an AVX2 CPU")
+def test_probe_picks_how_the_avx2_stream_is_prefetched_and_results_do_not_change(tiny_w8a8, tmp_path, monkeypatch):
+    """On the AVX2 path the probe times one-row steps with the whole weight stream prefetched
+    and with only its starts, keeps the faster way with the costs and installs it; the way
+    changes speed only: a step's logits are bitwise the same either way."""
+    from quasar.models.rows import Rows
+
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    q = tiny_w8a8
+    before = ext.prefetch_whole_stream()
+    try:
+        with ext.forced_kernel_path("avx2"):
+            measured = step_cost.install_measured(q)
+            assert measured.kernel_path == "avx2" and measured.prefetch_whole in (True, False)
+            assert ext.prefetch_whole_stream() == measured.prefetch_whole
+            assert step_cost.measure(q) == measured  # the choice is cached with the times
+            q.setup_cache(64, 1)
+            ids = [5, 9, 2, 7, 1, 3]
+            outs = []
+            with torch.inference_mode():
+                q(torch.tensor([ids]), logits="none", slot=0)
+                for way in (True, False):
+                    ext.prefetch_whole_stream(way)
+                    outs.append(q.step(Rows.chain([4], 0, q.cache.lengths)))
+            assert torch.equal(outs[0], outs[1])
+        with ext.forced_kernel_path("portable"):  # no such choice there
+            assert step_cost.measure(q).prefetch_whole is None
+    finally:
+        ext.prefetch_whole_stream(before)
+        q.cache = None

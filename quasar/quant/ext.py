@@ -92,6 +92,7 @@ __all__ = [
     "small_m_supported",
     "amx_supported",
     "amx_min_rows",
+    "prefetch_whole_stream",
     "bf16_kv_supported",
     "amx_attention_supported",
     "pack_w4",
@@ -228,6 +229,18 @@ def amx_supported() -> bool:
     Sapphire Rapids and later; Linux must allow the tile state) and AMX is not turned off
     (``QUASAR_NO_AMX``, ``amx_min_rows(0)``). False without the op."""
     return small_m_supported() and bool(torch.ops.quasar_quant.int8_amx_supported()) and amx_min_rows() > 0
+
+
+def prefetch_whole_stream(value: bool | None = None) -> bool:
+    """Whether a one-row step's AVX2 / AVX-VNNI passes prefetch their whole weight stream in
+    software (True, the default) or only each stream's first 64 KiB, leaving the rest to the
+    hardware prefetcher (False: faster on some CPUs, e.g. 37 vs 45 ms a 1.5B step on a Zen 4,
+    slower on others; ``quasar.quant.step_cost`` measures which). With ``value``, set it
+    process-wide and return the previous one. Speed only: never a bit of the results. False
+    without the op."""
+    if int8_linear_op() is None:
+        return False
+    return bool(torch.ops.quasar_quant.int8_stream_prefetch(-1 if value is None else int(bool(value))))
 
 
 def amx_min_rows(value: int | None = None) -> int:

@@ -15,7 +15,12 @@ decoder weighs drafts with:
   drafts): the rows a tree may use;
 - ``row_cost``: the least-squares slope of the step's time over its rows up to
   ``pass_rows``, as a fraction of a one-row step (``Transformer.row_cost``);
-- ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``, so ``--drafter auto`` drafts trees.
+- ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``, so ``--drafter auto`` drafts trees;
+- ``prefetch_whole``: on the AVX2 and AVX-VNNI paths, whether a one-row step is faster with
+  its weight streams prefetched in software throughout or only at their starts
+  (``ext.prefetch_whole_stream``; the probe times one-row steps both ways, interleaved, and
+  :func:`install_measured` sets the faster). It depends on the CPU's hardware prefetcher and
+  on how long the model's streams are.
 
 ``scripts/step_rows.py`` prints the same times with their floor.
 """
@@ -34,7 +39,7 @@ from quasar.fileio import write_atomic
 from quasar.paths import cache_dir
 from quasar.quant.int8 import Int8Linear
 
-__all__ = ["PROBE_ROWS", "StepCosts", "current", "install_measured", "key_cost", "measure", "prior_pass_rows",
+__all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "install_measured", "key_cost", "measure", "prior_pass_rows",
            "prior_row_cost"]
 
 PROBE_ROWS = (1, 2, 4, 8, 16)
@@ -46,7 +51,9 @@ MIN_PASS_ROWS = 6  # the pending token and a chain of 5 drafts: never fewer
 TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
 _ROUNDS = 5
 _PROMPT_TOKENS = 32
-_VERSION = 1  # of the probe: a change here invalidates cached results
+_VERSION = 2  # of the probe: a change here invalidates cached results
+# Kernel paths whose one-row passes can leave their stream to the hardware prefetcher.
+PREFETCH_CHOICE_PATHS = ("avx2", "avx-vnni")
 
 
 # ---------------------------------------------------------------- priors
@@ -135,6 +142,7 @@ class StepCosts:
     rows: tuple[int, ...]
     seconds: tuple[float, ...]
     kernel_path: str
+    prefetch_whole: bool | None = None  # None: the path has no such choice
 
     def ratio(self, k: int) -> float:
         """A k-row step's time over a one-row step's."""
@@ -166,30 +174,39 @@ def _cache_key(model: nn.Module, path: str) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
-def _probe(model: nn.Module) -> tuple[float, ...]:
+def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], bool | None]:
     """The fastest time of a step of each of PROBE_ROWS rows after a short prompt, in a cache of
-    its own (the model's cache is put back)."""
+    its own (the model's cache is put back). choose_prefetch: one-row steps are timed with the
+    whole stream prefetched and with only its starts, in turn, and the faster way is returned
+    with its time (else None and the current way's)."""
     from quasar.models.rows import Rows
+    from quasar.quant import ext
 
-    saved = model.cache
+    saved, saved_prefetch = model.cache, ext.prefetch_whole_stream()
     model.cache = None
+    ways = (True, False) if choose_prefetch else (saved_prefetch,)
     try:
         model.setup_cache(_PROMPT_TOKENS + max(PROBE_ROWS) + 1, 1)
         ids = [(7 * i + 3) % model.config.vocab_size for i in range(_PROMPT_TOKENS)]
-        times: dict[int, list[float]] = {k: [] for k in PROBE_ROWS}
+        times: dict[tuple[int, bool], list[float]] = {}
         with torch.inference_mode():
             model(torch.tensor([ids]), logits="none")
             for k in PROBE_ROWS:  # warm-up: scratch buffers of each size
                 model.step(Rows.chain(ids[:k], 0, model.cache.lengths))
             for _ in range(_ROUNDS):
                 for k in PROBE_ROWS:
-                    rows = Rows.chain(ids[:k], 0, model.cache.lengths)
-                    t0 = time.perf_counter()
-                    model.step(rows)
-                    times[k].append(time.perf_counter() - t0)
-        return tuple(min(times[k]) for k in PROBE_ROWS)
+                    for way in ways if k == 1 else (saved_prefetch,):  # only one-row passes differ
+                        ext.prefetch_whole_stream(way)
+                        rows = Rows.chain(ids[:k], 0, model.cache.lengths)
+                        t0 = time.perf_counter()
+                        model.step(rows)
+                        times.setdefault((k, way), []).append(time.perf_counter() - t0)
+        best = min(ways, key=lambda way: min(times[(1, way)]))
+        seconds = tuple(min(times[(k, best if k == 1 else saved_prefetch)]) for k in PROBE_ROWS)
+        return seconds, (best if choose_prefetch else None)
     finally:
         model.cache = saved
+        ext.prefetch_whole_stream(saved_prefetch)
 
 
 def measure(model: nn.Module) -> StepCosts | None:
@@ -200,17 +217,21 @@ def measure(model: nn.Module) -> StepCosts | None:
     if getattr(model, "step_kernel", None) is None or ext.decoder_layer_op() is None:
         return None
     path = ext.kernel_path()
+    choose_prefetch = path in PREFETCH_CHOICE_PATHS
     file = cache_dir("step_costs") / f"{_cache_key(model, path)}.json"
     try:
-        seconds = tuple(float(s) for s in json.loads(file.read_text())["seconds"])
-        if len(seconds) == len(PROBE_ROWS):
-            return StepCosts(PROBE_ROWS, seconds, path)
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = json.loads(file.read_text())
+        seconds = tuple(float(s) for s in saved["seconds"])
+        prefetch = saved.get("prefetch_whole")
+        if len(seconds) == len(PROBE_ROWS) and (prefetch in (True, False)) == choose_prefetch:
+            return StepCosts(PROBE_ROWS, seconds, path, prefetch)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # not measured yet (or unreadable): measure again
-    seconds = _probe(model)
+    seconds, prefetch = _probe(model, choose_prefetch)
     if _plausible(seconds):  # else a busy machine disturbed the probe: measure again next time
-        write_atomic(file, json.dumps({"rows": PROBE_ROWS, "seconds": seconds, "kernel_path": path}))
-    return StepCosts(PROBE_ROWS, seconds, path)
+        write_atomic(file, json.dumps({"rows": PROBE_ROWS, "seconds": seconds, "kernel_path": path,
+                                       "prefetch_whole": prefetch}))
+    return StepCosts(PROBE_ROWS, seconds, path, prefetch)
 
 
 def _plausible(seconds: tuple[float, ...]) -> bool:
@@ -221,10 +242,14 @@ def _plausible(seconds: tuple[float, ...]) -> bool:
 
 def install_measured(model: nn.Module) -> StepCosts | None:
     """Set `model`'s row cost and pass rows from its measured step costs (None: unchanged)."""
+    from quasar.quant import ext
+
     costs = measure(model)
     if costs is not None:
         model.row_cost, model.pass_rows = costs.row_cost, costs.pass_rows
         model.step_costs = costs
+        if costs.prefetch_whole is not None:  # process-wide: the last model measured sets it
+            ext.prefetch_whole_stream(costs.prefetch_whole)
     return costs
 
 

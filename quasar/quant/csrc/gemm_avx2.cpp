@@ -31,12 +31,15 @@
 namespace quasar {
 namespace {
 
-// How far ahead of its loads the one-row pass asks for weights, into L2. A 64-byte line
+// How far ahead of its loads the streaming pass asks for weights, into L2. A 64-byte line
 // costs this kernel ~10 instructions (the AVX512 kernel's: two), so the out-of-order window
 // holds few lines in flight and the hardware prefetcher alone left a one-row 1.5B step at
 // 1.58x its streaming floor. With this (and the symmetric form) it is 1.39x, 0.5B shapes
 // 1.3-1.45x (scripts/step_rows.py, forced AVX2 on a Xeon). Into L1 (_MM_HINT_T0) was worse
 // (1.6x): its few fill buffers, not the distance, are the limit; 2 and 8 KiB were no better.
+// Not every CPU gains: on a Zen 4 the hardware prefetcher streams long runs faster alone, and
+// a one-row 1.5B step took 37 ms with these prefetches only on each stream's first 64 KiB,
+// 45 ms with them throughout (StreamAhead::prefetch_stream; the step-cost probe picks).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // The stream's next lines, asked for at `rate` lines (in 1/65536ths) per group of the passes
@@ -71,7 +74,7 @@ __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx
   Ahead ah = ahead ? *ahead : Ahead{};
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = t + g * group_bytes;
-    if (!ahead)  // the streaming pass: see kPrefetchBytes
+    if (!ahead)  // a streaming pass that prefetches: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
     else
       ahead_line(ah);
@@ -115,7 +118,7 @@ __attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int
   Ahead ah = ahead ? *ahead : Ahead{};
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* p = t + g * group_bytes;
-    if (!ahead)  // the streaming pass: see kPrefetchBytes
+    if (!ahead)  // a streaming pass that prefetches: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
     else
       ahead_line(ah);
@@ -155,8 +158,9 @@ void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int6
     ahead.left = lines;
     ahead.rate = std::min<int64_t>(4 << 16, (lines << 16) / (cached_passes * groups) + 1);
   }
+  Ahead none{};  // a streaming pass left to the hardware prefetcher
   Pick(1, static_cast<int>(nv), symmetric)(x, k4, K, t + v0 * 64, group_bytes, acc,
-                                           next.tile_cached ? &ahead : nullptr);
+                                           next.tile_cached ? &ahead : next.prefetch_stream ? nullptr : &none);
   for (int64_t vc = 0; vc < nv; vc += 2) {
     const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
     for (int64_t r0 = 1; r0 < M; r0 += 2) {

@@ -57,11 +57,14 @@ bool amx_enabled();
 // next: the weight bytes the calling thread reads after this tile, which the passes that
 // compute on the tile once it is in cache (rows after the first; every pass when
 // tile_cached, as for the low half of 15-bit activations) bring into L2 meanwhile, so the
-// memory keeps streaming while the cores multiply (see stream_ahead).
+// memory keeps streaming while the cores multiply (see stream_ahead). prefetch_stream: the
+// pass that reads the tile from memory asks for its lines ahead in software (else it leaves
+// them to the hardware prefetcher; see stream_prefetch in int8_linear.cpp).
 struct StreamAhead {
   const int8_t* p = nullptr;
   int64_t bytes = 0;
   bool tile_cached = false;
+  bool prefetch_stream = true;
 };
 void tile_rows_avx2(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
                     int32_t* acc, bool symmetric, const StreamAhead& next);

@@ -515,6 +515,16 @@ namespace {
 // to 6.5 / 8.8 / 11.9 ms at 2 / 4 / 6 rows.
 constexpr int64_t kAheadMaxBytes = 256 << 10;
 
+// Whether a one-row pass prefetches its whole stream in software (1, the default) or only the
+// first kStreamStartBytes of each thread's part of a weight (0), where the hardware prefetcher
+// has not caught on yet, leaving the rest to it (AVX2 and AVX-VNNI; gemm_avx2.cpp). Which is
+// faster depends on the CPU: int8_stream_prefetch sets it from a measurement (step_cost.py).
+// Steps of more rows always prefetch: their streaming pass alternates with passes that
+// fetch ahead in software, which the hardware prefetcher does not follow (2 rows, 1.5B,
+// Zen 4: 59 ms prefetching, 68 ms not).
+std::atomic<int64_t> g_stream_prefetch{1};
+constexpr int64_t kStreamStartBytes = 64 << 10;
+
 quasar::StreamAhead stream_ahead(const quasar::SmallMGemm& g, const int64_t* vector_first, int64_t s, int64_t v_next,
                                  int64_t v1) {
   constexpr int64_t kTileVectors = quasar::kTile / 16;
@@ -562,6 +572,7 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
     }
   };
   const bool offset = path >= KernelPath::kAvxVnni;  // u8 x s8 sums: comp to take off
+  const bool stream_prefetch = g_stream_prefetch.load(std::memory_order_relaxed) != 0;
   const FinishFn finish = finish_for<kSplit>(path);
   int64_t s = 0;
   for (int64_t v = v0; v < v1;) {
@@ -573,8 +584,12 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
     const int8_t* tile = seg.tiles + n0 * k4;
     const bool symmetric = quasar::tiles_symmetric(seg.tiles, seg.n, K);
     quasar::StreamAhead next = stream_ahead(g, vector_first, s, v + (vb - va), v1);
+    next.prefetch_stream = M > 1 || stream_prefetch ||
+                           (v - std::max(v0, vector_first[s])) * 16 * k4 < kStreamStartBytes;
     if (kSplit) {  // the low half's passes all find the tile in cache: they fetch ahead
-      sums(g.xu, tile, stride, va, vb - va, acc, symmetric, {});
+      quasar::StreamAhead stream{};
+      stream.prefetch_stream = next.prefetch_stream;
+      sums(g.xu, tile, stride, va, vb - va, acc, symmetric, stream);
       next.tile_cached = true;
       sums(g.xlo, tile, stride, va, vb - va, acc_lo, symmetric, next);
     } else {
@@ -805,6 +820,14 @@ int64_t int8_amx_min_rows(int64_t min_rows) {
   return g_amx_min_rows.exchange(min_rows);
 }
 
+// Whether a one-row pass of the AVX2 / AVX-VNNI kernels prefetches its whole stream (1) or
+// only each stream's start (0; see g_stream_prefetch); mode < 0 only reads. Returns the
+// previous value. Speed only: the sums are the same.
+int64_t int8_stream_prefetch(int64_t mode) {
+  if (mode < 0) return g_stream_prefetch.load();
+  return g_stream_prefetch.exchange(mode != 0 ? 1 : 0);
+}
+
 // Whether oneDNN's int8 GEMMs are exact here (kernels.py checks it once per process); with a
 // value (0 or 1), set it first. While false the small-M kernel takes every M.
 bool int8_onednn_exact(int64_t value) {
@@ -888,6 +911,7 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
   m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
   m.def("int8_amx_min_rows(int min_rows=-1) -> int", &int8_amx_min_rows);
+  m.def("int8_stream_prefetch(int mode=-1) -> int", &int8_stream_prefetch);
   m.def("int8_amx_supported() -> bool", &int8_amx_supported);
   m.def("parallel_threads() -> int", &parallel_threads);
   m.def("int8_onednn_exact(int value=-1) -> bool", &int8_onednn_exact);
