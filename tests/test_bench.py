@@ -111,9 +111,16 @@ def test_bench_end_to_end(tiny_model, tmp_path, capsys):
     assert res["bandwidth"]["gb_per_s"] > 0 and len(res["bandwidth"]["samples_gb_per_s"]) >= 2
     assert res["resources"]["peak_rss_gb"] > 0 and res["resources"]["seconds"] > 0
     assert all(len(p["engines"]["ar-fp"]["decode_s_samples"]) == 2 for p in res["prompts"])
+    # which vector extensions the llama.cpp peer was built for (a forced-AVX2 run is fair
+    # only against an AVX2 llama.cpp), when llama-cpp-python is installed
+    isa = res["environment"]["llama_cpp_isa"]
+    assert (isa is None) == (importlib.util.find_spec("llama_cpp") is None)
+    if isa is not None:
+        assert "AVX2" in isa.split(", ") or isa == "no AVX"
 
     md = (out / "report.md").read_text()
     assert f"peak RSS {res['resources']['peak_rss_gb']:.2f} GB" in md
+    assert (f"(built for {isa})" in md) == (isa is not None)
     _check_consistent(res, _report_rows(md, "Overall"))
     for task, section in res["tasks"].items():
         _check_consistent(section, _report_rows(md, f"Task: {task}"))

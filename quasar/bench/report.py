@@ -176,7 +176,9 @@ def render_report(results: dict, plots: dict[str, Path] | None = None, plots_not
     L.append(f"- Environment: {env['cpu']}, {env['cpu_count']} cores, int8 kernel path "
              f"**{env.get('kernel_path', 'unknown')}**; Python {env['python']}, torch {env['torch']}, "
              f"transformers {env.get('transformers') or 'absent'}, llama-cpp-python "
-             f"{env.get('llama_cpp_python') or 'absent'}; quasar {env['quasar']}"
+             f"{env.get('llama_cpp_python') or 'absent'}"
+             + (f" (built for {env['llama_cpp_isa']})" if env.get("llama_cpp_isa") else "")
+             + f"; quasar {env['quasar']}"
              + (f" ({env['git_commit']})" if env.get("git_commit") else ""))
     fidelity = results.get("fidelity")
     if fidelity is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
+import importlib.util
 import os
 import platform
 import statistics
@@ -288,8 +289,26 @@ def environment(threads: int) -> dict:
         "torch_threads": threads,
         "transformers": _version("transformers"),
         "llama_cpp_python": _version("llama-cpp-python") or _version("llama_cpp_python"),
+        "llama_cpp_isa": _llama_cpp_isa(),
         "openvino_genai": _version("openvino-genai"),
     }
+
+
+def _llama_cpp_isa() -> str | None:
+    """The x86 vector extensions the installed llama.cpp was built for (its system info), so a
+    report says whether a forced-AVX2 Quasar run met an AVX2 llama.cpp or an AVX512 one; None
+    without llama-cpp-python."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info()
+        info = info.decode() if isinstance(info, bytes) else str(info)
+    except Exception:  # a build that cannot load here: the peer itself reports why
+        return None
+    flags = [part.split("=")[0].strip() for part in info.replace("CPU :", "").split("|") if part.strip().endswith("= 1")]
+    return ", ".join(f for f in flags if f.startswith(("AVX", "AMX", "FMA", "F16C"))) or "no AVX"
 
 
 # --------------------------------------------------------------------------- aggregation
