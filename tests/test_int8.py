@@ -497,25 +497,34 @@ def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
 def test_small_m_threads_may_share_a_tile(small_m, threads: int) -> None:
     """Threads split a GEMM by vectors of 16 outputs, so two may share a 64-row weight tile
     (37 vectors over 2 threads: 18 / 19); every output is still bitwise the reference's,
-    VNNI and AMX alike (1..20 rows, two blocks of rows past 16)."""
+    VNNI and AMX alike (1..20 rows, two blocks of rows past 16). The rows past the first fetch
+    the thread's next tile ahead (AVX2), and one-row passes past each thread's first 64 KiB
+    may leave the stream to the hardware prefetcher (prefetch_whole_stream(False)): no bit
+    changes either way."""
     from quasar.quant import ext
 
-    old_threads, old_max = torch.get_num_threads(), ext.small_m_max(32)
+    old_threads, old_max, old_whole = torch.get_num_threads(), ext.small_m_max(32), ext.prefetch_whole_stream()
     gen = torch.Generator().manual_seed(threads)
     k = 4096  # a task as small as one vector (the grain: ~64 KiB of weights)
     try:
         torch.set_num_threads(threads)
         for n in (80, 592):
             w = _int8(gen, n, k)
+            if n == 592:
+                w.clamp_(min=-127)  # AVX2's symmetric form
             ws = torch.rand(n, 1, generator=gen) / 100
             comp = w.sum(dim=1, dtype=torch.int32).mul_(128)
             tiles = ext.pack_tiles(w)
             for m in (1, 5, 16, 20):
                 x = torch.randn(m, k, generator=gen)
-                assert torch.equal(small_m(x, w, ws, None, comp, True, False, tiles), _op_reference(x, w, ws, None))
+                want = _op_reference(x, w, ws, None)
+                for whole in (True, False):
+                    ext.prefetch_whole_stream(whole)
+                    assert torch.equal(small_m(x, w, ws, None, comp, True, False, tiles), want), (n, m, whole)
     finally:
         torch.set_num_threads(old_threads)
         ext.small_m_max(old_max)
+        ext.prefetch_whole_stream(old_whole)
 
 
 def test_ext_parallel_loops_use_torch_threads(ext_op) -> None:

@@ -79,6 +79,29 @@ def test_bitwise_equal_to_reference_and_row_invariant(w4_path, k: int, group: in
                 assert torch.equal(w4_path(x[i:i + 1], packed, n, k, group, b), want[i:i + 1]), (n, i)
 
 
+def test_prefetching_only_stream_starts_changes_no_bit(w4_path) -> None:
+    """One-row passes past each thread's first 64 KiB of a weight may leave the stream to the
+    hardware prefetcher (ext.prefetch_whole_stream(False)); a weight of 320 KiB takes both
+    kinds of pass, and either way the outputs are the reference's bits."""
+    from quasar.quant import ext
+
+    gen = torch.Generator().manual_seed(5)
+    n, k, group = 520, 1024, 32  # 33 vectors of 10 KiB
+    q, scales, offsets = _weights(gen, n, k, group)
+    packed = _pack(q, scales, offsets, group)
+    x = torch.randn(3, k, generator=gen)
+    want = reference_linear_w4a8(x, q, scales, offsets, None, group)
+    before = ext.prefetch_whole_stream()
+    try:
+        for whole in (True, False):
+            ext.prefetch_whole_stream(whole)
+            assert ext.prefetch_whole_stream() is whole
+            for i in range(3):
+                assert torch.equal(w4_path(x[i:i + 1], packed, n, k, group, None), want[i:i + 1]), (whole, i)
+    finally:
+        ext.prefetch_whole_stream(before)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_extremes(w4_path, group: int) -> None:
     """Nibbles all 15 against activations at +-127 (the largest sums, every int16 bound of the

@@ -16,7 +16,8 @@ decoder weighs drafts with:
 - ``row_cost``: the least-squares slope of the step's time over its rows up to
   ``pass_rows``, as a fraction of a one-row step (``Transformer.row_cost``);
 - ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``, so ``--drafter auto`` drafts trees;
-- ``prefetch_whole``: on the AVX2 and AVX-VNNI paths, whether a one-row step is faster with
+- ``prefetch_whole``: on the AVX2 and AVX-VNNI paths (and for W4A8 layers on every SIMD
+  path), whether a one-row step is faster with
   its weight streams prefetched in software throughout or only at their starts
   (``ext.prefetch_whole_stream``; the probe times one-row steps both ways, interleaved, and
   :func:`install_measured` sets the faster). It depends on the CPU's hardware prefetcher and
@@ -52,7 +53,8 @@ TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
 _ROUNDS = 5
 _PROMPT_TOKENS = 32
 _VERSION = 2  # of the probe: a change here invalidates cached results
-# Kernel paths whose one-row passes can leave their stream to the hardware prefetcher.
+# Kernel paths whose int8 one-row passes can leave their stream to the hardware prefetcher
+# (the W4A8 kernels can on every path but the portable one).
 PREFETCH_CHOICE_PATHS = ("avx2", "avx-vnni")
 
 
@@ -216,8 +218,12 @@ def measure(model: nn.Module) -> StepCosts | None:
 
     if getattr(model, "step_kernel", None) is None or ext.decoder_layer_op() is None:
         return None
+    from quasar.quant.w4a8 import W4A8Linear
+
     path = ext.kernel_path()
-    choose_prefetch = path in PREFETCH_CHOICE_PATHS
+    # every path's W4A8 kernels have the choice, the AVX2 / AVX-VNNI int8 ones too
+    choose_prefetch = path in PREFETCH_CHOICE_PATHS or (
+        path != "portable" and any(isinstance(m, W4A8Linear) for m in model.modules()))
     file = cache_dir("step_costs") / f"{_cache_key(model, path)}.json"
     try:
         saved = json.loads(file.read_text())

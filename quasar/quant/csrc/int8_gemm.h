@@ -60,6 +60,14 @@ bool amx_enabled();
 // memory keeps streaming while the cores multiply (see stream_ahead). prefetch_stream: the
 // pass that reads the tile from memory asks for its lines ahead in software (else it leaves
 // them to the hardware prefetcher; see stream_prefetch in int8_linear.cpp).
+// Whether one-row passes prefetch their whole weight stream in software (the default) or
+// only each thread's first kStreamStartBytes of a weight, where the hardware prefetcher has
+// not caught on yet, leaving the rest to it; int8_stream_prefetch sets it from a measurement
+// (quasar/quant/step_cost.py). Applies to the AVX2 / AVX-VNNI int8 kernels and to every W4A8
+// kernel.
+bool prefetch_whole_stream();
+constexpr int64_t kStreamStartBytes = 64 << 10;
+
 struct StreamAhead {
   const int8_t* p = nullptr;
   int64_t bytes = 0;

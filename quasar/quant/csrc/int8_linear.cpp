@@ -515,15 +515,12 @@ namespace {
 // to 6.5 / 8.8 / 11.9 ms at 2 / 4 / 6 rows.
 constexpr int64_t kAheadMaxBytes = 256 << 10;
 
-// Whether a one-row pass prefetches its whole stream in software (1, the default) or only the
-// first kStreamStartBytes of each thread's part of a weight (0), where the hardware prefetcher
-// has not caught on yet, leaving the rest to it (AVX2 and AVX-VNNI; gemm_avx2.cpp). Which is
-// faster depends on the CPU: int8_stream_prefetch sets it from a measurement (step_cost.py).
-// Steps of more rows always prefetch: their streaming pass alternates with passes that
-// fetch ahead in software, which the hardware prefetcher does not follow (2 rows, 1.5B,
-// Zen 4: 59 ms prefetching, 68 ms not).
+// quasar::prefetch_whole_stream (int8_gemm.h): 1, the default, or 0. Which is faster depends on
+// the CPU: int8_stream_prefetch sets it from a measurement (step_cost.py). In the int8 kernels
+// steps of more rows always prefetch: their streaming pass alternates with passes that fetch
+// ahead in software, which the hardware prefetcher does not follow (2 rows, 1.5B, Zen 4:
+// 59 ms prefetching, 68 ms not).
 std::atomic<int64_t> g_stream_prefetch{1};
-constexpr int64_t kStreamStartBytes = 64 << 10;
 
 quasar::StreamAhead stream_ahead(const quasar::SmallMGemm& g, const int64_t* vector_first, int64_t s, int64_t v_next,
                                  int64_t v1) {
@@ -585,7 +582,7 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
     const bool symmetric = quasar::tiles_symmetric(seg.tiles, seg.n, K);
     quasar::StreamAhead next = stream_ahead(g, vector_first, s, v + (vb - va), v1);
     next.prefetch_stream = M > 1 || stream_prefetch ||
-                           (v - std::max(v0, vector_first[s])) * 16 * k4 < kStreamStartBytes;
+                           (v - std::max(v0, vector_first[s])) * 16 * k4 < quasar::kStreamStartBytes;
     if (kSplit) {  // the low half's passes all find the tile in cache: they fetch ahead
       quasar::StreamAhead stream{};
       stream.prefetch_stream = next.prefetch_stream;
@@ -820,9 +817,13 @@ int64_t int8_amx_min_rows(int64_t min_rows) {
   return g_amx_min_rows.exchange(min_rows);
 }
 
-// Whether a one-row pass of the AVX2 / AVX-VNNI kernels prefetches its whole stream (1) or
-// only each stream's start (0; see g_stream_prefetch); mode < 0 only reads. Returns the
-// previous value. Speed only: the sums are the same.
+namespace quasar {
+bool prefetch_whole_stream() { return g_stream_prefetch.load(std::memory_order_relaxed) != 0; }
+}  // namespace quasar
+
+// Whether one-row passes prefetch their whole stream (1) or only each stream's start (0; see
+// quasar::prefetch_whole_stream); mode < 0 only reads. Returns the previous value. Speed
+// only: the sums are the same.
 int64_t int8_stream_prefetch(int64_t mode) {
   if (mode < 0) return g_stream_prefetch.load();
   return g_stream_prefetch.exchange(mode != 0 ? 1 : 0);

@@ -9,6 +9,7 @@
 // Each row is computed alone (its sums are exact and its float operations never involve
 // another row), so a row's output does not depend on M. Layout and kernels: w4a8_gemm.h.
 #include "w4a8_gemm.h"
+#include "int8_gemm.h"
 #include "activation_quant.h"
 
 #include <ATen/core/Tensor.h>
@@ -28,7 +29,8 @@ namespace quasar {
 // Plain C++, the same sums and order as the SIMD kernels. Per step the inner loop is a 4-way
 // u8 x s8 dot product for each of 16 lanes, once for the low nibbles and once for the high:
 // where a NEON `udot`/`usdot` over the unpacked nibbles (vandq / vshrq) would slot in.
-void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out) {
+void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                      bool /*prefetch: none here*/) {
   const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kW4Lanes] = {};
@@ -148,12 +150,13 @@ W4RowsFn w4_active_kernel(int64_t* max_rows) {
 }
 
 void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t group,
-                    const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride) {
+                    const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride,
+                    bool prefetch) {
   float out[kW4MaxRows * kW4Lanes];
   for (int64_t r0 = 0; r0 < M; r0 += max_rows) {  // the first pass reads the vector, later ones hit cache
     const int64_t rows = std::min(max_rows, M - r0);
     const W4Acts acts{a.q + r0 * a.ldq, a.ldq, a.sx + r0 * a.ldg, a.xs + r0 * a.ldg, a.ldg};
-    kernel(vec, K, group, acts, rows, out);
+    kernel(vec, K, group, acts, rows, out, prefetch);
     for (int64_t r = 0; r < rows; ++r) {
       float* yr = y + (r0 + r) * y_stride;
       const float* o = out + r * kW4Lanes;
@@ -263,11 +266,12 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   float* yp = y.data_ptr<float>();
   const int64_t vb = quasar::w4_vector_bytes(K, group), vectors = (N + quasar::kW4Lanes - 1) / quasar::kW4Lanes;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / vb);  // >= 64 KiB of weights a task
+  const bool whole = quasar::prefetch_whole_stream();
   at::parallel_for(0, vectors, grain, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
       const int64_t n0 = v * quasar::kW4Lanes;
       quasar::w4_vector_rows(kernel, max_rows, w + v * vb, K, group, acts, M, std::min(quasar::kW4Lanes, N - n0),
-                             bp ? bp + n0 : nullptr, yp + n0, N);
+                             bp ? bp + n0 : nullptr, yp + n0, N, whole || (v - v0) * vb < quasar::kStreamStartBytes);
     }
   });
   return y.view(out_shape);
