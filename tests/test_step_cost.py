@@ -116,3 +116,25 @@ def test_probe_picks_how_the_avx2_stream_is_prefetched_and_results_do_not_change
     finally:
         ext.prefetch_whole_stream(before)
         q.cache = None
+
+
+@pytest.mark.skipif(ext.decoder_layer_op() is None, reason="the fused step needs the C++ ops")
+def test_each_models_fused_step_sets_its_own_prefetch_choice(tiny_w8a8):
+    """The choice is per model (how long its weight streams are): two models in one process (a
+    bench's W8A8 and W4A8 verifiers) each get theirs, set before each of their fused steps."""
+    from quasar.models.rows import Rows
+
+    q, before, saved = tiny_w8a8, ext.prefetch_whole_stream(), tiny_w8a8.step_costs
+    try:
+        q.setup_cache(64, 1)
+        with torch.inference_mode():
+            q(torch.tensor([[5, 9, 2]]), logits="none", slot=0)
+            for way in (False, True, False):
+                q.step_costs = StepCosts(PROBE_ROWS, (1e-3,) * len(PROBE_ROWS), ext.kernel_path(), way)
+                ext.prefetch_whole_stream(not way)  # another model's choice, set meanwhile
+                q.step(Rows.chain([4], 0, q.cache.lengths), logits="none")
+                assert ext.prefetch_whole_stream() is way
+                assert bool(torch.ops.quasar_quant.int8_stream_prefetch(-1)) is way  # the op's own setting
+    finally:
+        q.step_costs, q.cache = saved, None
+        ext.prefetch_whole_stream(before)

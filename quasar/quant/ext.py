@@ -231,16 +231,25 @@ def amx_supported() -> bool:
     return small_m_supported() and bool(torch.ops.quasar_quant.int8_amx_supported()) and amx_min_rows() > 0
 
 
+_prefetch_whole: bool | None = None  # the op's setting as last read or set here
+
+
 def prefetch_whole_stream(value: bool | None = None) -> bool:
-    """Whether a one-row step's AVX2 / AVX-VNNI passes prefetch their whole weight stream in
-    software (True, the default) or only each stream's first 64 KiB, leaving the rest to the
-    hardware prefetcher (False: faster on some CPUs, e.g. 37 vs 45 ms a 1.5B step on a Zen 4,
-    slower on others; ``quasar.quant.step_cost`` measures which). With ``value``, set it
-    process-wide and return the previous one. Speed only: never a bit of the results. False
-    without the op."""
+    """Whether one-row passes (the AVX2 / AVX-VNNI int8 kernels, every W4A8 kernel) prefetch
+    their whole weight stream in software (True, the default) or only each stream's first 64
+    KiB, leaving the rest to the hardware prefetcher (False: faster on some CPUs, e.g. 37 vs 45
+    ms a 1.5B W8A8 step on a Zen 4, slower on others; ``quasar.quant.step_cost`` measures
+    which, per model, and the fused step sets its model's choice before each call). With
+    ``value``, set it process-wide and return the previous one; setting the value it already
+    has costs no op call. Speed only: never a bit of the results. False without the op."""
+    global _prefetch_whole
     if int8_linear_op() is None:
         return False
-    return bool(torch.ops.quasar_quant.int8_stream_prefetch(-1 if value is None else int(bool(value))))
+    if value is not None and _prefetch_whole is not None and bool(value) == _prefetch_whole:
+        return _prefetch_whole
+    previous = bool(torch.ops.quasar_quant.int8_stream_prefetch(-1 if value is None else int(bool(value))))
+    _prefetch_whole = previous if value is None else bool(value)
+    return previous
 
 
 def amx_min_rows(value: int | None = None) -> int:

@@ -85,6 +85,11 @@ class FusedW8A8Step:
         if cache.k.dtype != torch.float32 and not (cache.k.dtype == torch.bfloat16 and self._bf16):
             return None
         cfg, p = self.model.config, self._plan
+        costs = self.model.step_costs
+        if costs is not None and costs.prefetch_whole is not None:  # this model's measured way
+            from quasar.quant import ext
+
+            ext.prefetch_whole_stream(costs.prefetch_whole)
         starts = [rows.starts[s] for s in rows.slots]
         return self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, p.norms,
                         cfg.rms_norm_eps, p.weights, p.tiles, p.scales, p.biases, p.comps, p.act_bits, p.w4,

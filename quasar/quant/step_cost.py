@@ -184,8 +184,9 @@ def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], 
     from quasar.models.rows import Rows
     from quasar.quant import ext
 
-    saved, saved_prefetch = model.cache, ext.prefetch_whole_stream()
+    saved, saved_prefetch, saved_costs = model.cache, ext.prefetch_whole_stream(), model.step_costs
     model.cache = None
+    model.step_costs = None  # else the fused step would set its earlier choice over the probe's
     ways = (True, False) if choose_prefetch else (saved_prefetch,)
     try:
         model.setup_cache(_PROMPT_TOKENS + max(PROBE_ROWS) + 1, 1)
@@ -207,7 +208,7 @@ def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], 
         seconds = tuple(min(times[(k, best if k == 1 else saved_prefetch)]) for k in PROBE_ROWS)
         return seconds, (best if choose_prefetch else None)
     finally:
-        model.cache = saved
+        model.cache, model.step_costs = saved, saved_costs
         ext.prefetch_whole_stream(saved_prefetch)
 
 
@@ -254,7 +255,7 @@ def install_measured(model: nn.Module) -> StepCosts | None:
     if costs is not None:
         model.row_cost, model.pass_rows = costs.row_cost, costs.pass_rows
         model.step_costs = costs
-        if costs.prefetch_whole is not None:  # process-wide: the last model measured sets it
+        if costs.prefetch_whole is not None:  # the fused step sets it again before each of its calls
             ext.prefetch_whole_stream(costs.prefetch_whole)
     return costs
 
