@@ -491,36 +491,24 @@ void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, 
 
 namespace {
 
-// The outputs of vectors [v0, v1) of a small-M GEMM (a vector is 16 output columns of one
-// weight tile; vector_first[s] is segment s's first): each tile's sums for all M rows, then
-// comp and the epilogue (elementwise, so how vectors are spread over threads never changes
-// a bit). A tile is taken whole where it can be; the range's ends may cut one, so two
-// threads share it (a GEMM of 9 tiles, as the default model's o and down projections, is
-// split 4.5 / 4.5, not 5 / 4). Rows past the first pass's 6 (VNNI) are further passes over
-// the tile while it is in L2, not another read from memory, so up to kTiledMaxRows rows (a
-// prefill chunk of the fused decoder op) read the weights once; with AMX, 16 rows are one
-// tdpbusd. kSplit: 15-bit activations, q = 128 * hi + lo, given as two uint8 arrays
-// (hi + 128, lo + 128); both products are exact int32s, combined in int64.
-// `path` picks the tile sums (AMX, AVX512-VNNI, AVX-VNNI, AVX2 or portable: the same
-// int32s once comp is off, so the path never changes a bit of the outputs).
-// The bytes the thread reads after the tile that ends at vector `v_next` of its range [.., v1),
-// for the passes that find that tile in cache to bring into L2 (AVX2 and AVX-VNNI: their rows
-// after the first cost about as much arithmetic as the first row's stream, which otherwise
-// waits for them): from the start of the tile holding v_next (in its own segment: the next
-// weight may be another array) up to one tile, at most kAheadMaxBytes, and never past the
-// range's part of that segment (the other thread's bytes).
-// Measured on a 1.5B model, forced AVX2 on a Zen 4 (Transformer.step, 2 threads, the
-// settings interleaved round by round): steps of 1 / 2 / 4 / 6 rows went from 53 / 67 / 96 / 126 ms to
-// 52 / 64 / 81 / 108 ms (a fixed 64 KiB or 1 MiB ahead was worse); 135M: 7.3 / 10.2 / 13.2
-// to 6.5 / 8.8 / 11.9 ms at 2 / 4 / 6 rows.
-constexpr int64_t kAheadMaxBytes = 256 << 10;
-
 // quasar::prefetch_whole_stream (int8_gemm.h): 1, the default, or 0. Which is faster depends on
 // the CPU: int8_stream_prefetch sets it from a measurement (step_cost.py). In the int8 kernels
 // steps of more rows always prefetch: their streaming pass alternates with passes that fetch
 // ahead in software, which the hardware prefetcher does not follow (2 rows, 1.5B, Zen 4:
 // 59 ms prefetching, 68 ms not).
 std::atomic<int64_t> g_stream_prefetch{1};
+
+// The bytes the thread reads after the tile that ends at vector `v_next` of its range [.., v1),
+// for the passes that find that tile in cache to bring into L2 (AVX2 and AVX-VNNI: their rows
+// after the first cost about as much arithmetic as the first row's stream, which otherwise
+// waits for them): from the start of the tile holding v_next (in its own segment: the next
+// weight may be another array) up to one tile, at most kAheadMaxBytes, and never past the
+// range's part of that segment (the other thread's bytes).
+// Measured on a 1.5B model, forced AVX2 on a Zen 4 (Transformer.step, 2 threads, the settings
+// interleaved round by round): steps of 1 / 2 / 4 / 6 rows went from 53 / 67 / 96 / 126 ms to
+// 52 / 64 / 81 / 108 ms (a fixed 64 KiB or 1 MiB ahead was worse); 135M: 7.3 / 10.2 / 13.2 to
+// 6.5 / 8.8 / 11.9 ms at 2 / 4 / 6 rows.
+constexpr int64_t kAheadMaxBytes = 256 << 10;
 
 quasar::StreamAhead stream_ahead(const quasar::SmallMGemm& g, const int64_t* vector_first, int64_t s, int64_t v_next,
                                  int64_t v1) {
@@ -535,6 +523,18 @@ quasar::StreamAhead stream_ahead(const quasar::SmallMGemm& g, const int64_t* vec
   return {g.segs[s].tiles + first * 16 * k4, bytes, false};
 }
 
+// The outputs of vectors [v0, v1) of a small-M GEMM (a vector is 16 output columns of one
+// weight tile; vector_first[s] is segment s's first): each tile's sums for all M rows, then
+// comp and the epilogue (elementwise, so how vectors are spread over threads never changes
+// a bit). A tile is taken whole where it can be; the range's ends may cut one, so two
+// threads share it (a GEMM of 9 tiles, as the default model's o and down projections, is
+// split 4.5 / 4.5, not 5 / 4). Rows past the first pass's 6 (VNNI) are further passes over
+// the tile while it is in L2, not another read from memory, so up to kTiledMaxRows rows (a
+// prefill chunk of the fused decoder op) read the weights once; with AMX, 16 rows are one
+// tdpbusd. kSplit: 15-bit activations, q = 128 * hi + lo, given as two uint8 arrays
+// (hi + 128, lo + 128); both products are exact int32s, combined in int64.
+// `path` picks the tile sums (AMX, AVX512-VNNI, AVX-VNNI, AVX2 or portable: the same
+// int32s once comp is off, so the path never changes a bit of the outputs).
 template <bool kSplit>
 void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quasar::KernelPath path, int64_t v0,
                   int64_t v1) {
