@@ -48,6 +48,17 @@ struct Int8Segment {
 // process use the tiles) and AMX is not turned off (int8_amx_min_rows(0), QUASAR_NO_AMX).
 bool amx_enabled();
 
+// Whether one-row passes prefetch their whole weight stream in software (the default) or
+// only each thread's first kStreamStartBytes of a weight, where the hardware prefetcher has
+// not caught on yet, leaving the rest to it; int8_stream_prefetch sets it from a measurement
+// (quasar/quant/step_cost.py). Applies to the AVX2 / AVX-VNNI int8 kernels and to every W4A8
+// kernel.
+bool prefetch_whole_stream();
+constexpr int64_t kStreamStartBytes = 64 << 10;
+
+// Whether a one-row pass `offset` bytes into its thread's part of a weight prefetches in software.
+inline bool prefetch_stream_at(int64_t offset) { return offset < kStreamStartBytes || prefetch_whole_stream(); }
+
 // One weight tile's sums on the paths below AVX512 (gemm_avx2.cpp, gemm_portable.cpp):
 // vectors [v0, v0 + nv) of a tile of `stride` vectors at t (pack_tiles' layout) against
 // the M rows of x (uint8 q + 128, rows of padded_k(K) bytes, |q| <= 127), into
@@ -59,15 +70,7 @@ bool amx_enabled();
 // tile_cached, as for the low half of 15-bit activations) bring into L2 meanwhile, so the
 // memory keeps streaming while the cores multiply (see stream_ahead). prefetch_stream: the
 // pass that reads the tile from memory asks for its lines ahead in software (else it leaves
-// them to the hardware prefetcher; see stream_prefetch in int8_linear.cpp).
-// Whether one-row passes prefetch their whole weight stream in software (the default) or
-// only each thread's first kStreamStartBytes of a weight, where the hardware prefetcher has
-// not caught on yet, leaving the rest to it; int8_stream_prefetch sets it from a measurement
-// (quasar/quant/step_cost.py). Applies to the AVX2 / AVX-VNNI int8 kernels and to every W4A8
-// kernel.
-bool prefetch_whole_stream();
-constexpr int64_t kStreamStartBytes = 64 << 10;
-
+// them to the hardware prefetcher; see prefetch_stream_at).
 struct StreamAhead {
   const int8_t* p = nullptr;
   int64_t bytes = 0;

@@ -142,12 +142,11 @@ void StepGemm::run(int tid, int nt) const {
   const W4Acts acts{acts_->w4q.data(), K, acts_->w4sx.data(), acts_->w4xs.data(), K / group};
   int64_t m = 0;
   const int64_t first = total * tid / nt;
-  const bool whole = prefetch_whole_stream();
   for (int64_t v = first; v < total * (tid + 1) / nt; ++v) {
     while (v >= w4_first_[m + 1]) ++m;
     const W4Matrix& w = in_->w4[m];
     const int64_t n0 = (v - w4_first_[m]) * kW4Lanes;
-    const bool prefetch = whole || (v - std::max(first, w4_first_[m])) * vb < kStreamStartBytes;  // a stream's start
+    const bool prefetch = prefetch_stream_at((v - std::max(first, w4_first_[m])) * vb);
     w4_vector_rows(w4_kernel_, w4_rows_, w.packed + (v - w4_first_[m]) * vb, K, group, acts, M_,
                    std::min(kW4Lanes, w.n - n0), w.bias ? w.bias + n0 : nullptr, y_ + w.y_col + n0, y_stride_,
                    prefetch);

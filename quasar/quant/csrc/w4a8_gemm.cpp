@@ -266,12 +266,11 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   float* yp = y.data_ptr<float>();
   const int64_t vb = quasar::w4_vector_bytes(K, group), vectors = (N + quasar::kW4Lanes - 1) / quasar::kW4Lanes;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / vb);  // >= 64 KiB of weights a task
-  const bool whole = quasar::prefetch_whole_stream();
   at::parallel_for(0, vectors, grain, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
       const int64_t n0 = v * quasar::kW4Lanes;
       quasar::w4_vector_rows(kernel, max_rows, w + v * vb, K, group, acts, M, std::min(quasar::kW4Lanes, N - n0),
-                             bp ? bp + n0 : nullptr, yp + n0, N, whole || (v - v0) * vb < quasar::kStreamStartBytes);
+                             bp ? bp + n0 : nullptr, yp + n0, N, quasar::prefetch_stream_at((v - v0) * vb));
     }
   });
   return y.view(out_shape);
