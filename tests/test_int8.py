@@ -708,6 +708,28 @@ def test_released_weight_pages_leave_memory_and_lose_nothing(ext_op, tmp_path) -
     assert torch.equal(anon, w)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_PAGEOUT) is Linux's")
+def test_packing_hands_back_each_tiles_source_rows(ext_op, tmp_path) -> None:
+    """pack_tiles(release_source=True) gives the same tiles, and a memory-mapped weight is
+    never resident twice: its pages leave while the tiles are written (an 8B model's head
+    would otherwise top the decode peak)."""
+    from quasar.models.safetensors_mmap import mmap_safetensors
+    from quasar.quant import ext
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (8192, 8192), generator=gen, dtype=torch.int8)  # 64 MiB
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    mapped = mmap_safetensors(tmp_path / "w.safetensors")["w"]
+    if not ext.release_pages(mapped):
+        pytest.skip("this kernel does not take MADV_PAGEOUT")
+    assert torch.equal(mapped, w)  # every page read back: resident
+    before = _rss_bytes()
+    tiles = ext.pack_tiles(mapped, release_source=True)
+    assert _rss_bytes() < before + 32 * 2**20  # 64 MiB of tiles, 64 MiB of source handed back
+    assert torch.equal(tiles, ext.pack_tiles(w)) and torch.equal(mapped, w)
+
+
 # ---------------------------------------------------------------- AMX (Sapphire Rapids and later)
 @pytest.fixture
 def amx(small_m):

@@ -118,7 +118,7 @@ def test_sequential_is_as_faithful_as_the_whole_model_reference(monkeypatch):
 
 def test_interrupted_quantization_leaves_nothing(qwen2, tmp_path, monkeypatch):
     calls = []
-    real = sequential._float_layer
+    real = sequential.float_layer
 
     def fail_on_second_layer(source, cfg, index):
         calls.append(index)
@@ -126,7 +126,7 @@ def test_interrupted_quantization_leaves_nothing(qwen2, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(source, cfg, index)
 
-    monkeypatch.setattr(sequential, "_float_layer", fail_on_second_layer)
+    monkeypatch.setattr(sequential, "float_layer", fail_on_second_layer)
     with pytest.raises(KeyboardInterrupt):
         quantize_to_dir(qwen2.model_dir, qwen2.tokenizer, tmp_path / "ckpt", **FAST)
     assert calls == [0, 1] and list(tmp_path.iterdir()) == []

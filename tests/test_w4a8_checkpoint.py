@@ -65,6 +65,22 @@ def test_checkpoint_loads_back_bit_for_bit(built, checkpoint) -> None:
     assert torch.equal(_logits(back), _logits(model))
 
 
+def test_the_streamed_checkpoint_is_the_in_memory_one(built, checkpoint, tmp_path) -> None:
+    """write_w4a8_checkpoint (what `quasar quantize --bits 4` and the cache write, a part at
+    a time) holds bitwise the tensors and the config of the model build_w4a8 makes in memory."""
+    from quasar.models.hf import read_safetensors, weight_files
+    from quasar.quant.w4a8_verifier import write_w4a8_checkpoint
+
+    loaded, _ = built
+    streamed = write_w4a8_checkpoint(loaded, tmp_path / "streamed", {"source": "default"})
+    assert streamed == json.loads((checkpoint / "config.json").read_text())
+    assert len(weight_files(tmp_path / "streamed")) == loaded.config.num_layers + 2  # a shard per part
+    got, want = (read_safetensors(weight_files(d)) for d in (tmp_path / "streamed", checkpoint))
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
 def test_llm_decodes_a_w4a8_checkpoint_with_its_own_verifier(checkpoint) -> None:
     from quasar import LLM
 

@@ -12,6 +12,7 @@ before the model is loaded, and the output directory appears only once complete.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -148,10 +149,7 @@ def _run_quantize_w4(args, out: Path) -> int:
     import torch
 
     from quasar.models.loader import load_model
-    from quasar.quant.int8 import Int8Linear
-    from quasar.quant.w4a8 import W4A8Linear
-    from quasar.quant.w4a8_checkpoint import save_w4a8_checkpoint
-    from quasar.quant.w4a8_verifier import GROUP, build_w4a8
+    from quasar.quant.w4a8_verifier import GROUP, write_w4a8_checkpoint
     from quasar.resources import peak_rss_gb
 
     if args.threads:
@@ -161,10 +159,10 @@ def _run_quantize_w4(args, out: Path) -> int:
     if loaded.quantized:
         raise QuasarError(f"{args.model} is already a {loaded.quant_kind.upper()} checkpoint")
     if not args.no_progress:
-        print("building the W4A8 model layer by layer...", file=sys.stderr)
-    model = build_w4a8(loaded)
-    save_w4a8_checkpoint(model, out, loaded.model_dir, {"source": str(args.model)})
-    four, eight = (sum(isinstance(m, cls) for m in model.modules()) for cls in (W4A8Linear, Int8Linear))
+        print("writing the W4A8 model layer by layer...", file=sys.stderr)
+    write_w4a8_checkpoint(loaded, out, {"source": str(args.model)}, progress=not args.no_progress)
+    weights = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    four, eight = (sum(n.endswith(suffix) for n in weights) for suffix in (".qweight", ".weight_scale"))
     print(f"wrote {out}: W4A8, group {GROUP}, {four} layers 4-bit, {eight} int8 (the head included), "
           f"{_size_mb(out):.0f} MB, {time.perf_counter() - t0:.0f} s, peak RSS {peak_rss_gb():.2f} GB", file=sys.stderr)
     return 0

@@ -166,14 +166,17 @@ def cpu_pack(weight: Tensor) -> CpuPacked:
     one, many = _pick(True, k), _pick(False, k)
     from quasar.quant import ext
 
-    tiles = ext.pack_tiles(weight)  # None only without the C++ op
-    comp = u8x_pack(weight)[1] if "u8x" in (one, many) or tiles is not None else None
+    # Steps of up to 16 rows read only the tiles, and longer ones are rare (the fused step's
+    # GEMMs, prefill chunks included, read only the tiles too): the OS may drop the row-major
+    # copy's pages (a memory-mapped checkpoint's come back from the file if oneDNN reads
+    # them), so the weights are resident once, not twice. The row sums come first, and the
+    # packing hands back each tile's rows as it goes, so not even the packing holds a
+    # weight twice (an 8B model's 0.6 GB head would otherwise top its decode peak).
+    use_tiles = ext.small_m_supported()
+    comp = u8x_pack(weight)[1] if "u8x" in (one, many) or use_tiles else None
+    tiles = ext.pack_tiles(weight, release_source=True) if use_tiles else None
     if tiles is not None:
-        # Steps of up to 16 rows read only the tiles, and longer ones are rare (the fused
-        # step's GEMMs, prefill chunks included, read only the tiles too): let the OS drop
-        # the row-major copy's pages (a memory-mapped checkpoint's come back from the file
-        # if oneDNN reads them), so the weights are resident once, not twice.
-        ext.release_pages(weight)
+        ext.release_pages(weight)  # the pages tiles straddle
     return CpuPacked(one, many, weight, comp, tiles)
 
 

@@ -25,14 +25,26 @@ _MIN_SCALE = 1e-12
 
 
 def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per output channel: scale = max|w_row| / 127 (1.0 for zero rows)."""
+    """Symmetric int8 per output channel: scale = max|w_row| / 127 (1.0 for zero rows).
+
+    Rows are independent, so they are rounded a block at a time: a vocabulary-sized head
+    (151936 x 4096 at 8B) needs no float32 copies of itself, only of one block."""
     if w.dim() != 2 or not w.is_floating_point():
         raise QuasarError(f"quantize_weight expects a 2-D float tensor, got {w.dim()}-D {w.dtype}")
-    w32 = w.detach().float()
-    amax = w32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w32 / scale).clamp_(-127, 127).to(torch.int8)
+    rows = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=w.device)
+    step = max(1, _BLOCK_ELEMENTS // max(1, w.shape[1]))
+    for r in range(0, rows, step):
+        w32 = w[r:r + step].detach().float()
+        amax = w32.abs().amax(dim=1, keepdim=True)
+        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        q[r:r + step] = torch.round(w32 / s).clamp_(-127, 127).to(torch.int8)
+        scale[r:r + step] = s
     return q, scale
+
+
+_BLOCK_ELEMENTS = 1 << 24  # quantize_weight's rows a block: 64 MB of float32
 
 
 ACT_BITS = (8, 15)  # activation precisions an Int8Linear runs (see the module doc)

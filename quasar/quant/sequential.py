@@ -60,7 +60,7 @@ class _Windows:
         return out
 
 
-def _float_layer(source: TensorSource, cfg: ModelConfig, index: int) -> DecoderLayer:
+def float_layer(source: TensorSource, cfg: ModelConfig, index: int) -> DecoderLayer:
     """Decoder layer ``index`` from the source, in float32 (only this layer is upcast)."""
     with torch.device("meta"):
         layer = DecoderLayer(cfg)
@@ -123,7 +123,7 @@ def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[i
 
     for i in tqdm(range(cfg.num_layers), desc="quantizing layers", unit="layer", file=sys.stderr,
                   disable=not progress, leave=False):
-        layer = _float_layer(source, cfg, i)
+        layer = float_layer(source, cfg, i)
         if q is not None:
             rotate_layer(layer, cfg, q, r)
         groups = layer_groups(layer, cfg, i, opts.smooth_o_down)

@@ -37,22 +37,26 @@ FORMAT_VERSION = 1
 
 
 def w4a8_config(model: Transformer, info: dict) -> dict:
-    """config.json of a W4A8 ``model``: its config (an int8 or 4-bit head unties it) and the
-    ``quantization_config`` of the module docstring, ``info`` (e.g. the source) added."""
+    """config.json of a W4A8 ``model`` held in memory (``w4a8_config_of`` for what it holds)."""
     groups = {m.group for m in model.modules() if isinstance(m, W4A8Linear)}
     if len(groups) != 1:
         raise QuasarError(f"a W4A8 checkpoint holds one group size; this model has {sorted(groups) or 'none'}")
     down = {m.act_bits for n, m in model.named_modules() if isinstance(m, Int8Linear) and n.endswith("mlp.down_proj")}
     head = "int8" if isinstance(model.lm_head, Int8Linear) else "w4a8" if isinstance(model.lm_head, W4A8Linear) \
         else "float"
-    cfg = model.config
+    return w4a8_config_of(model.config, groups.pop(), max(down, default=8), head, info)
+
+
+def w4a8_config_of(cfg, group: int, down_act_bits: int, head: str, info: dict) -> dict:
+    """config.json of a W4A8 checkpoint of a model with config ``cfg`` (a ModelConfig): its
+    config (an int8 or 4-bit head unties it) and the ``quantization_config`` of the module
+    docstring, ``info`` (e.g. the source) added."""
     if head != "float":
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     config = cfg.to_hf()
     config["torch_dtype"] = "float32"
-    config["quantization_config"] = {"quant_method": QUANT_METHOD, "version": FORMAT_VERSION,
-                                     "group_size": groups.pop(), "down_act_bits": max(down, default=8),
-                                     "lm_head": head, **info}
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "version": FORMAT_VERSION, "group_size": group,
+                                     "down_act_bits": down_act_bits, "lm_head": head, **info}
     return config
 
 

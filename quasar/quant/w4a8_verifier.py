@@ -32,7 +32,6 @@ from torch import nn
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
-from quasar.quant import fused_step
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.options import DEFAULT_DOWN_ACT_BITS
 from quasar.quant.w4a8 import W4A8Linear
@@ -105,10 +104,11 @@ def cache_path(loaded) -> Path:
 
 def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:
     """The W4A8 Transformer of `loaded` (a LoadedModel of a float directory or GGUF file, or
-    a W4A8 checkpoint, given as it is): loaded from the cache when built before, else built
-    (``build_w4a8``) and written there (a read-only or full cache only warns)."""
+    a W4A8 checkpoint, given as it is): loaded from the cache when built before, else written
+    there part by part (``write_w4a8_checkpoint``) and loaded from it, memory-mapped. Without
+    a cache, or when it cannot be written (a read-only or full disk only warns), built in
+    memory (``build_w4a8``)."""
     from quasar.models.hf import load_hf_dir
-    from quasar.quant.w4a8_checkpoint import save_w4a8_checkpoint
 
     if loaded.quantized:
         if loaded.quant_kind != "w4a8":
@@ -122,38 +122,88 @@ def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:
         except QuasarError as e:  # a damaged entry: build it again
             print(f"warning: rebuilding the W4A8 cache entry {target} ({e})", file=sys.stderr)
             shutil.rmtree(target, ignore_errors=True)
-    model = build_w4a8(loaded)
     if target is not None:
         try:
-            save_w4a8_checkpoint(model, target, loaded.model_dir, {"source": str(loaded.source)}, exist_ok=True)
+            write_w4a8_checkpoint(loaded, target, {"source": str(loaded.source)}, exist_ok=True)
+            return load_hf_dir(target, torch.float32)
         except OSError as e:
-            print(f"warning: could not cache the W4A8 model in {target} ({e})", file=sys.stderr)
-    return model
+            print(f"warning: could not cache the W4A8 model in {target} ({e}); building it in memory",
+                  file=sys.stderr)
+    return build_w4a8(loaded)
+
+
+def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = False,
+                          progress: bool = False) -> dict:
+    """Write the W4A8 checkpoint of `loaded` (a float directory or GGUF file) to `out`
+    (quasar.quant.w4a8_checkpoint), one shard per part as it is made, so memory holds one
+    float layer (or the embeddings) at a time; `out` appears only once complete. Returns its
+    config.json."""
+    from quasar.fileio import atomic_dir
+    from quasar.quant.checkpoint import ShardWriter
+
+    written: dict = {}
+
+    def fill(tmp: Path) -> None:
+        writer = ShardWriter(tmp, loaded.config.num_layers + 2)  # embeddings, each layer, norm + head
+        written.update(_w4a8_parts(loaded, writer.add, info, progress))
+        writer.finish(written, Path(loaded.model_dir))
+
+    atomic_dir(Path(out), fill, exist_ok)
+    return written
 
 
 def build_w4a8(loaded) -> Transformer:
-    """Build the W4A8 Transformer of `loaded` (a float directory or GGUF file) in memory, a
-    layer at a time (RECIPE)."""
-    from quasar.models.hf import load_hf_dir
+    """The W4A8 Transformer of `loaded` (a float directory or GGUF file), built in memory
+    (RECIPE; ``write_w4a8_checkpoint`` streams the same tensors to disk)."""
+    from quasar.models.config import ModelConfig
+    from quasar.models.hf import build_model
 
+    tensors: dict[str, torch.Tensor] = {}
+    config = _w4a8_parts(loaded, tensors.update, {"source": str(loaded.source)})
+    return build_model(ModelConfig.from_hf(config), tensors, "w4a8", torch.float32, config["quantization_config"])
+
+
+def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool = False) -> dict:
+    """Make the W4A8 model's tensors (Hugging Face names) part by part into `sink`: the
+    embeddings, each decoder layer (read from the memory-mapped float weights, its linears
+    replaced as RECIPE says), the final norm with the int8 head. Returns the config.json."""
+    from tqdm import tqdm
+
+    from quasar.models.tensors import SafetensorsSource
+    from quasar.quant.sequential import float_layer
+    from quasar.quant.w4a8_checkpoint import w4a8_config_of
+
+    cfg = loaded.config
+    source = SafetensorsSource(loaded.model_dir)
     gguf = gguf_source(loaded)
-    groups = gguf_int4_groups(gguf, loaded.config) if gguf is not None else None
-    model = load_hf_dir(Path(loaded.model_dir), torch.float32)  # memory-mapped: a layer is read when replaced
-    names = [f"model.layers.{i}.{n}" for i in range(len(model.model.layers)) for n in LAYER_LINEARS]
-    with torch.inference_mode():
-        for name in names:
-            linear = model.get_submodule(name)
-            found = groups.pop(f"{name}.weight", None) if groups is not None else None
-            if found is not None:
-                q, scale, offset = found()
-                layer = W4A8Linear.from_groups(q, scale, offset, GROUP, linear.bias)
-            elif groups is None:
-                layer = W4A8Linear.from_float(linear, GROUP)
-            else:
-                bits = DEFAULT_DOWN_ACT_BITS if name.endswith("mlp.down_proj") else 8
-                layer = Int8Linear.from_float(linear, act_bits=bits)
-            _set(model, name, layer)
-        model.lm_head = Int8Linear.from_float(model.lm_head)  # untied: the embedding stays float
-    model.quant_kind = "w4a8"
-    fused_step.install(model)  # verifier steps in one C++ call, as W8A8's
-    return model.eval()
+    groups = gguf_int4_groups(gguf, cfg) if gguf is not None else None
+    sink({"model.embed_tokens.weight": source.get("model.embed_tokens.weight").float()})
+    down_bits = 8
+    with torch.no_grad():  # not inference_mode: the tensors become a model's parameters
+        for i in tqdm(range(cfg.num_layers), desc="W4A8 layers", unit="layer", file=sys.stderr,
+                      disable=not progress, leave=False):
+            layer = float_layer(source, cfg, i)
+            for name in LAYER_LINEARS:
+                linear = layer.get_submodule(name)
+                found = groups.pop(f"model.layers.{i}.{name}.weight", None) if groups is not None else None
+                if found is not None:
+                    q, scale, offset = found()
+                    new: nn.Module = W4A8Linear.from_groups(q, scale, offset, GROUP, linear.bias)
+                elif groups is None:
+                    new = W4A8Linear.from_float(linear, GROUP)
+                else:  # a tensor the file keeps wider than 4 bits
+                    bits = DEFAULT_DOWN_ACT_BITS if name == "mlp.down_proj" else 8
+                    down_bits = max(down_bits, bits)
+                    new = Int8Linear.from_float(linear, act_bits=bits)
+                _set(layer, name, new)
+            sink({f"model.layers.{i}.{n}": t for n, t in layer.state_dict().items()})
+            del layer
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in source
+        head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+        # the stored (memory-mapped) weight as it is: quantize_weight widens it a block at a time
+        head.weight = nn.Parameter(source.get("model.embed_tokens.weight" if tied else "lm_head.weight"),
+                                   requires_grad=False)
+        head = Int8Linear.from_float(head)  # untied: the embedding stays float
+        sink({"model.norm.weight": source.get("model.norm.weight").float(),
+              **{f"lm_head.{n}": t for n, t in head.state_dict().items()}})
+    return w4a8_config_of(cfg, GROUP, down_bits, "int8", info)

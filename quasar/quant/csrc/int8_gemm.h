@@ -29,8 +29,12 @@ inline bool tiles_symmetric(const int8_t* tiles, int64_t n, int64_t k) {
 // tile t is nv * 64 bytes, nv = the tile's vectors of 16 rows, byte [v][i][j] = w[64 t + 16 v
 // + i][4 g + j], so one 64-byte load is 16 rows' next four weights (vpdpbusd's operand) and a
 // tile is read as one sequential stream. Tile t starts at byte 64 t * K4 (K4 = padded_k(K));
-// rows past n and columns past K are zero. The footer follows (tiled_bytes).
-void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out);
+// rows past n and columns past K are zero. The footer follows (tiled_bytes). release_source:
+// each tile's source rows go to release_span once copied.
+void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out, bool release_source = false);
+// madvise(MADV_PAGEOUT) on the pages wholly inside [p, p + bytes): a memory-mapped file's
+// clean pages leave memory and are read again if touched; nothing is lost. False if no hint.
+bool release_span(const void* p, int64_t bytes);
 
 // One weight matrix of a small-M GEMM: tiles = the int8 weight [n, K] in pack_tiles' layout,
 // comp = 128 * rowsum(w) int32 [n], ws float [n], optional bias [n]; its outputs go to

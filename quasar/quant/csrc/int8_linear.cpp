@@ -603,23 +603,58 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
 
 namespace quasar {
 
-void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out) {
+// madvise MADV_PAGEOUT on the pages wholly inside [p, p + bytes). Pages stay valid: clean
+// file pages are read again if touched, anonymous ones are swapped or kept, so no data is lost.
+bool release_span(const void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+  if (bytes <= 0) return false;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t lo = (begin + page - 1) / page * page, hi = (begin + bytes) / page * page;
+  return hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_PAGEOUT) == 0;
+#else
+  (void)p;
+  (void)bytes;
+  return false;
+#endif
+}
+
+// With release_source the tiles are packed a chunk of kReleaseChunk source bytes at a time,
+// and after each chunk the source bytes before its end go back to the OS in spans that end on
+// a kReleaseAlign boundary: the page cache may hold a mapped file in large folios (up to
+// 2 MiB), and MADV_PAGEOUT skips a folio its span does not cover whole (measured: per-tile
+// spans of 512 KiB released nothing).
+constexpr int64_t kReleaseChunk = int64_t{16} << 20;
+constexpr uintptr_t kReleaseAlign = uintptr_t{2} << 20;
+
+void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out, bool release_source) {
   const int64_t k4 = padded_k(k), n_tiles = (n + kTile - 1) / kTile;
+  const int64_t chunk = release_source ? std::max<int64_t>(1, kReleaseChunk / std::max<int64_t>(1, kTile * k)) : n_tiles;
   std::atomic<bool> has_min{false};  // some weight is -128 (the footer's flag)
-  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r0 = t * kTile, rows = std::min(kTile, n - r0), nv = (rows + 15) / 16;
-      int8_t* o = out + r0 * k4;
-      std::memset(o, 0, nv * 16 * k4);
-      for (int64_t i = 0; i < rows; ++i) {  // row r0 + i is lane i % 16 of vector i / 16
-        const int8_t* src = w + (r0 + i) * k;
-        int8_t* dst = o + (i / 16) * 64 + (i % 16) * 4;
-        for (int64_t c = 0; c < k; ++c) dst[(c / 4) * nv * 64 + c % 4] = src[c];
+  uintptr_t released = reinterpret_cast<uintptr_t>(w);
+  for (int64_t c0 = 0; c0 < n_tiles; c0 += chunk) {
+    const int64_t c1 = std::min(n_tiles, c0 + chunk);
+    at::parallel_for(c0, c1, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r0 = t * kTile, rows = std::min(kTile, n - r0), nv = (rows + 15) / 16;
+        int8_t* o = out + r0 * k4;
+        std::memset(o, 0, nv * 16 * k4);
+        for (int64_t i = 0; i < rows; ++i) {  // row r0 + i is lane i % 16 of vector i / 16
+          const int8_t* src = w + (r0 + i) * k;
+          int8_t* dst = o + (i / 16) * 64 + (i % 16) * 4;
+          for (int64_t c = 0; c < k; ++c) dst[(c / 4) * nv * 64 + c % 4] = src[c];
+        }
+        const int8_t *first = w + r0 * k, *last = first + rows * k;  // the tile's rows, still in cache
+        if (std::find(first, last, int8_t{-128}) != last) has_min.store(true, std::memory_order_relaxed);
       }
-      const int8_t *first = w + r0 * k, *last = first + rows * k;  // the tile's rows, still in cache
-      if (std::find(first, last, int8_t{-128}) != last) has_min.store(true, std::memory_order_relaxed);
+    });
+    if (release_source) {
+      const uintptr_t done = reinterpret_cast<uintptr_t>(w + std::min(n, c1 * kTile) * k);
+      const uintptr_t end = c1 == n_tiles ? done : done / kReleaseAlign * kReleaseAlign;
+      if (end > released) release_span(reinterpret_cast<const void*>(released), static_cast<int64_t>(end - released));
+      released = std::max(released, end);
     }
-  });
+  }
   int8_t* footer = out + tiled_bytes(n, k) - kTileFooter;
   std::memset(footer, 0, kTileFooter);
   footer[0] = !has_min.load();
@@ -837,31 +872,24 @@ bool int8_onednn_exact(int64_t value) {
 // Whether this CPU runs the small-M kernel's AMX path (AMX-INT8, and Linux allows it).
 bool int8_amx_supported() { return amx_supported(); }
 
-// The weight [N, K] int8 in the small-M kernel's tile layout (quasar::pack_tiles).
-at::Tensor int8_pack_tiles(const at::Tensor& weight) {
+// The weight [N, K] int8 in the small-M kernel's tile layout (quasar::pack_tiles). With
+// release_source, each tile's source rows are handed back to the OS once copied (see
+// release_span), so a memory-mapped weight is never resident twice, even while packing.
+at::Tensor int8_pack_tiles(const at::Tensor& weight, bool release_source) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
               "int8_pack_tiles: weight must be a 2-D int8 CPU tensor");
   const at::Tensor w = weight.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   at::Tensor out = at::empty({quasar::tiled_bytes(n, k)}, w.options());
-  if (out.numel() > 0) quasar::pack_tiles(w.data_ptr<int8_t>(), n, k, out.data_ptr<int8_t>());
+  if (out.numel() > 0) quasar::pack_tiles(w.data_ptr<int8_t>(), n, k, out.data_ptr<int8_t>(), release_source);
   return out;
 }
 
-// Hint the OS to reclaim the pages wholly inside t's bytes (madvise MADV_PAGEOUT): for a
-// weight read from a memory-mapped checkpoint whose kernel copy now lives elsewhere. Pages
-// stay valid: clean file pages are read again if touched, anonymous ones are swapped or kept,
-// so no data is lost. Returns whether the hint was taken (false: nothing to do, or unsupported).
+// Hint the OS to reclaim the pages wholly inside t's bytes (release_span): for a weight read
+// from a memory-mapped checkpoint whose kernel copy now lives elsewhere. Returns whether the
+// hint was taken (false: nothing to do, or unsupported).
 bool release_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_PAGEOUT)
-  if (!t.device().is_cpu() || t.nbytes() == 0) return false;
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t lo = (begin + page - 1) / page * page, hi = (begin + t.nbytes()) / page * page;
-  return hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_PAGEOUT) == 0;
-#else
-  return false;
-#endif
+  return t.device().is_cpu() && quasar::release_span(t.data_ptr(), static_cast<int64_t>(t.nbytes()));
 }
 
 // Whether the small-M kernel runs here: on every kernel path (the portable one included).
@@ -905,7 +933,7 @@ TORCH_LIBRARY(quasar_quant, m) {
       "int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? comp, "
       "bool u8_single, bool u8_multi, Tensor? tiles=None, int act_bits=8) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
-  m.def("int8_pack_tiles(Tensor weight) -> Tensor", &int8_pack_tiles);
+  m.def("int8_pack_tiles(Tensor weight, bool release_source=False) -> Tensor", &int8_pack_tiles);
   m.def("release_pages(Tensor t) -> bool", &release_pages);
   m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
   m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
