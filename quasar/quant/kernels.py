@@ -170,8 +170,8 @@ def cpu_pack(weight: Tensor) -> CpuPacked:
     # GEMMs, prefill chunks included, read only the tiles too): the OS may drop the row-major
     # copy's pages (a memory-mapped checkpoint's come back from the file if oneDNN reads
     # them), so the weights are resident once, not twice. The row sums come first, and the
-    # packing hands back each tile's rows as it goes, so not even the packing holds a
-    # weight twice (an 8B model's 0.6 GB head would otherwise top its decode peak).
+    # packing hands its source back a chunk at a time as it goes, so not even the packing
+    # holds a weight twice (an 8B model's 0.6 GB head would otherwise top its decode peak).
     use_tiles = ext.small_m_supported()
     comp = u8x_pack(weight)[1] if "u8x" in (one, many) or use_tiles else None
     tiles = ext.pack_tiles(weight, release_source=True) if use_tiles else None

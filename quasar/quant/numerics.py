@@ -22,6 +22,7 @@ from quasar.errors import QuasarError
 MAX_IN_FEATURES = (2**31 - 1) // (128 * 128)
 # Rows whose max is below 127 * _MIN_SCALE get scale _MIN_SCALE instead of dividing by ~0.
 _MIN_SCALE = 1e-12
+_BLOCK_ELEMENTS = 1 << 24  # quantize_weight's rows a block: 64 MB of float32
 
 
 def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -42,9 +43,6 @@ def quantize_weight(w: Tensor) -> tuple[Tensor, Tensor]:
         q[r:r + step] = torch.round(w32 / s).clamp_(-127, 127).to(torch.int8)
         scale[r:r + step] = s
     return q, scale
-
-
-_BLOCK_ELEMENTS = 1 << 24  # quantize_weight's rows a block: 64 MB of float32
 
 
 ACT_BITS = (8, 15)  # activation precisions an Int8Linear runs (see the module doc)
