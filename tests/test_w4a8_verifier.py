@@ -68,3 +68,50 @@ def test_bad_groups_are_clear_errors() -> None:
         W4A8Linear.from_groups(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 3), torch.zeros(8, 3), 32)
     with pytest.raises(QuasarError, match="input features"):
         W4A8Linear(64, 8, group=32)(torch.zeros(1, 32))
+
+
+def test_a_float_model_is_calibrated_and_gptq_rounded_closer_than_to_nearest() -> None:
+    """A float directory (the default model's, dequantized) goes through the sequential
+    pipeline with 4-bit layers: rotated and GPTQ-rounded against its calibrated inputs, it
+    is much closer to the float model than the same int4 groups rounded to nearest
+    (measured KL 0.19 vs 0.39, top-1 85% vs 78%, 4 samples of 256 tokens)."""
+    from quasar.eval.fidelity import compare_models, fidelity_text
+    from quasar.models.tensors import SafetensorsSource
+    from quasar.quant.options import QuantOptions
+    from quasar.quant.quantize import build_w8a8
+
+    loaded = load_model("default")
+    source = SafetensorsSource(loaded.model_dir)
+    ids = loaded.tokenizer.encode(fidelity_text())
+    scores = {}
+    for name, extra in (("nearest", dict(gptq=False, rotate=False)), ("gptq", {})):
+        opts = QuantOptions(weight_bits=4, samples=4, seq_len=256, **extra)
+        model = build_w8a8(source, loaded.tokenizer, cfg=loaded.config, options=opts, progress=False)
+        assert sum(isinstance(m, W4A8Linear) for m in model.modules()) == 7 * loaded.config.num_layers
+        assert isinstance(model.lm_head, Int8Linear) and model.quant_kind == "w4a8"
+        assert model.quant_info["weight_bits"] == 4
+        scores[name] = compare_models(loaded.model, model, ids, window=256, limit=2, name="w4a8")
+    assert scores["gptq"]["kl_mean"] < 0.7 * scores["nearest"]["kl_mean"], scores
+    assert scores["gptq"]["top1_agreement"] > scores["nearest"]["top1_agreement"], scores
+
+
+def test_quantize_bits_4_of_a_float_model_takes_calibration_flags(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    float_dir = str(load_model("default").model_dir)
+    cmd = [sys.executable, "-m", "quasar", "quantize", "--model", float_dir, "--bits", "4", "--no-progress"]
+    bad = subprocess.run([*cmd, "--out", str(tmp_path / "bad"), "--alpha", "0.5"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--alpha do not apply to --bits 4 (4-bit layers are not smoothed" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    out = tmp_path / "w4"
+    done = subprocess.run([*cmd, "--out", str(out), "--samples", "2", "--seq-len", "64", "--no-rotate"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "quasar-w4a8" and qc["quasar"]["gptq"] and not qc["quasar"]["rotate"]
+    assert qc["quasar"]["calibration"]["samples"] == 2
+    loaded = load_model(str(out))
+    assert loaded.quant_kind == "w4a8"
+    assert sum(isinstance(m, W4A8Linear) for m in loaded.model.modules()) == 7 * loaded.config.num_layers

@@ -54,9 +54,10 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     p.add_argument("--bits", type=int, choices=[8, 4], default=8,
-                   help="weight bits: 8 = W8A8 (calibrated, smoothed; the default), 4 = W4A8 (a 4-bit GGUF's "
-                        "own groups, other layers and the head int8; a float model rounded to groups of 32; "
-                        "nothing calibrated, so the calibration options below do not apply)")
+                   help="weight bits: 8 = W8A8 (calibrated, smoothed; the default), 4 = W4A8: a 4-bit GGUF "
+                        "keeps its own groups (other layers and the head int8; nothing calibrated, so the "
+                        "options below do not apply); a float model is calibrated, rotated and GPTQ-rounded to "
+                        "int4 groups of 32, layer by layer (--alpha and --down-act-bits do not apply)")
     _add_quant_args(p)
     p.add_argument("--lm-head", choices=["int8", "float"], default=None,
                    help="quantize lm_head too (int8) or keep it float (default: int8)")
@@ -100,8 +101,11 @@ def _size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
 
 
-# The flags that only the calibrated W8A8 recipe reads (dest names); given with --bits 4 they are an error.
-_W8_ONLY = ("alpha", "calib", "samples", "seq_len", "rotate", "gptq", "down_act_bits", "lm_head")
+# The calibration flags: a 4-bit GGUF's own groups read none of them (given with --bits 4
+# they are an error); a float model's W4A8 recipe reads all but _NOT_W4 (its 4-bit layers
+# are not smoothed, and quantize their activations per group).
+_CALIBRATION_FLAGS = ("alpha", "calib", "samples", "seq_len", "rotate", "gptq", "down_act_bits", "lm_head")
+_NOT_W4 = ("alpha", "down_act_bits")
 
 
 def run_quantize(args) -> int:
@@ -140,16 +144,29 @@ def run_quantize(args) -> int:
 
 
 def _run_quantize_w4(args, out: Path) -> int:
-    from quasar.errors import QuasarError
+    import dataclasses
 
-    given = [f"--{k.replace('_', '-')}" for k in _W8_ONLY if getattr(args, k, None) is not None]
+    from quasar.errors import QuasarError
+    from quasar.quant.w4a8_verifier import GROUP, gguf_path, write_w4a8_checkpoint
+
+    gguf = gguf_path(args.model) is not None
+    flags = _CALIBRATION_FLAGS if gguf else _NOT_W4
+    given = [f"--{k.replace('_', '-')}" for k in flags if getattr(args, k, None) is not None]
     given += ["--no-smooth-o-down"] if args.no_smooth_o_down else []
     if given:
-        raise QuasarError(f"{', '.join(given)} do not apply to --bits 4 (the W4A8 recipe is not calibrated)")
+        why = "a 4-bit GGUF keeps its own groups, nothing is calibrated" if gguf else \
+            "4-bit layers are not smoothed and quantize their activations per group"
+        raise QuasarError(f"{', '.join(given)} do not apply to --bits 4 ({why})")
+    options = calib_text = None
+    if not gguf:
+        options = dataclasses.replace(_quant_options(args), weight_bits=4)
+        if options.calib is not None:
+            from quasar.data.user_files import read_text_file
+
+            calib_text = read_text_file(options.calib)
     import torch
 
     from quasar.models.loader import load_model
-    from quasar.quant.w4a8_verifier import GROUP, write_w4a8_checkpoint
     from quasar.resources import peak_rss_gb
 
     if args.threads:
@@ -159,8 +176,11 @@ def _run_quantize_w4(args, out: Path) -> int:
     if loaded.quantized:
         raise QuasarError(f"{args.model} is already a {loaded.quant_kind.upper()} checkpoint")
     if not args.no_progress:
-        print("writing the W4A8 model layer by layer...", file=sys.stderr)
-    write_w4a8_checkpoint(loaded, out, {"source": str(args.model)}, progress=not args.no_progress)
+        how = "its GGUF's 4-bit groups" if gguf else "calibrated, rotated, GPTQ-rounded" if options.gptq else \
+            "calibrated, rounded to nearest"
+        print(f"writing the W4A8 model layer by layer ({how})...", file=sys.stderr)
+    write_w4a8_checkpoint(loaded, out, {"source": str(args.model)}, progress=not args.no_progress,
+                          options=options, calib_text=calib_text)
     weights = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     four, eight = (sum(n.endswith(suffix) for n in weights) for suffix in (".qweight", ".weight_scale"))
     print(f"wrote {out}: W4A8, group {GROUP}, {four} layers 4-bit, {eight} int8 (the head included), "

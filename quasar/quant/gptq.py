@@ -1,8 +1,9 @@
 """GPTQ rounding: int8 weights chosen with error feedback, weighted by the inputs' X^T X.
 
 Same format and scales as plain rounding (``numerics.quantize_weight``: symmetric int8 per
-output channel); only the rounding of each weight changes, so that ||X W^T - X Q^T|| is
-small rather than ||W - Q||.
+output channel; for the W4A8 verifier ``w4a8_numerics.quantize_weight_w4``: symmetric int4
+in groups along the input); only the rounding of each weight changes, so that
+||X W^T - X Q^T|| is small rather than ||W - Q||.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from quasar.quant.numerics import quantize_weight
+from quasar.quant.w4a8_numerics import INT4_MAX, quantize_weight_w4
 
 GPTQ_DAMP = 0.1  # of the mean diagonal of X^T X
 _BLOCK = 128  # columns whose error feedback is applied as one matrix product
@@ -55,20 +57,22 @@ def _inverse_cholesky(hessian: Tensor, damp: float) -> Tensor | None:
     return None
 
 
-def _round_rows(w: Tensor, scale: Tensor, u: Tensor, block: int) -> Tensor:
-    """GPTQ over the columns of w [B, rows, in] (modified in place) with factor u; int8."""
+def _round_rows(w: Tensor, scale: Tensor, u: Tensor, block: int, qmax: int = 127) -> Tensor:
+    """GPTQ over the columns of w [B, rows, in] (modified in place) with factor u; int8 values
+    in [-qmax, qmax]. ``scale`` [B, rows, in] is each weight's step (a per-row scale expanded
+    along the columns, or a group's repeated over its columns)."""
     n = w.shape[2]
     q = torch.empty_like(w)
-    s2, inv = scale[:, None, :, 0], 1.0 / scale[:, None, :, 0]  # [B, 1, rows]
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
         wt = w[:, :, i1:i2].transpose(1, 2).contiguous()  # [B, cols, rows]: a column is a row
+        st = scale[:, :, i1:i2].transpose(1, 2)
         qt = torch.empty_like(wt)
         err = torch.empty_like(wt)
         u1 = u[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = wt[:, i:i + 1]
-            qi = torch.round(col * inv).clamp_(-127, 127)
+            col, s2 = wt[:, i:i + 1], st[:, i:i + 1]
+            qi = torch.round(col * (1.0 / s2)).clamp_(-qmax, qmax)
             qt[:, i:i + 1] = qi
             e = (col - qi * s2) / u1[:, i, i, None, None]
             err[:, i:i + 1] = e
@@ -81,11 +85,14 @@ def _round_rows(w: Tensor, scale: Tensor, u: Tensor, block: int) -> Tensor:
 
 
 @torch.no_grad()
-def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = GPTQ_DAMP,
-                  block: int = _BLOCK) -> tuple[Tensor, Tensor]:
+def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = GPTQ_DAMP, block: int = _BLOCK,
+                  group: int | None = None) -> tuple[Tensor, Tensor]:
     """Per-output-channel symmetric int8 like ``quantize_weight`` (same scales), rounded by
     GPTQ for inputs with second moments ``hessian`` = X^T X. Returns (int8 [out, in],
-    float32 [out, 1]).
+    float32 [out, 1]). With ``group``: symmetric int4 in groups of ``group`` input columns
+    like ``w4a8_numerics.quantize_weight_w4`` (the same float16 scales, taken from the
+    weights before any error feedback), returning (int8 [out, in] in [-7, 7], float16
+    [out, groups]).
 
     Batched: ``weight`` [B, out, in] with ``hessian`` [B, in, in] runs B independent
     problems at once. Output rows are independent given the Hessian, so they are done
@@ -93,23 +100,31 @@ def gptq_quantize(weight: Tensor, hessian: Tensor, damp: float = GPTQ_DAMP,
     """
     single = weight.dim() == 2
     w_all = weight[None] if single else weight
-    n_batch, n_out, _ = w_all.shape
+    n_batch, n_out, n_in = w_all.shape
     u = _inverse_cholesky(hessian[None] if single else hessian, damp)
     qs, scales = [], []
     for r1 in range(0, n_out, _ROWS):
         w = w_all[:, r1:r1 + _ROWS].detach().float().clone()
-        q_s = [quantize_weight(w[b]) for b in range(n_batch)]
-        scale = torch.stack([s for _, s in q_s])  # [B, rows, 1]
-        qs.append(torch.stack([q for q, _ in q_s]) if u is None else _round_rows(w, scale, u, block))
+        if group is None:
+            q_s = [quantize_weight(w[b]) for b in range(n_batch)]
+            scale = torch.stack([s for _, s in q_s])  # [B, rows, 1]
+            steps, qmax = scale.expand_as(w), 127
+        else:
+            q_s = [quantize_weight_w4(w[b], group) for b in range(n_batch)]
+            scale = torch.stack([s for _, s in q_s])  # [B, rows, groups] float16
+            steps, qmax = scale.float().repeat_interleave(group, dim=2)[:, :, :n_in], INT4_MAX
+        qs.append(torch.stack([q for q, _ in q_s]) if u is None else _round_rows(w, steps, u, block, qmax))
         scales.append(scale)
-        del w
+        del w, steps
     q, scale = torch.cat(qs, dim=1), torch.cat(scales, dim=1)
     return (q[0], scale[0]) if single else (q, scale)
 
 
 def gptq_weights(linears: dict[str, nn.Linear], owners: dict[str, str], hessians: dict[str, Tensor],
-                 scales: dict[str, Tensor], progress: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
-    """GPTQ-rounded (int8, scale) for the linears whose input owner has a Hessian.
+                 scales: dict[str, Tensor], progress: bool = False,
+                 group: int | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    """GPTQ-rounded (int8, scale) for the linears whose input owner has a Hessian (with
+    ``group``: int4 groups and their float16 scales, see ``gptq_quantize``).
 
     Linears reading the same input (q, k, v; gate, up: the same ``owners`` entry) share it
     and are rounded as one matrix. The Hessians come from the unsmoothed inputs; smoothing
@@ -123,17 +138,17 @@ def gptq_weights(linears: dict[str, nn.Linear], owners: dict[str, str], hessians
         if owner is not None and owner in hessians:
             by_owner.setdefault(owner, []).append(name)
     out = {}
-    for owner, group in tqdm(by_owner.items(), desc="gptq", unit="matrix", file=sys.stderr,
+    for owner, names in tqdm(by_owner.items(), desc="gptq", unit="matrix", file=sys.stderr,
                              disable=not progress, leave=False):
         h = hessians[owner]
         s = scales.get(owner)
         if s is not None:
             s = s.float()
             h = h / (s[:, None] * s[None, :])
-        w = torch.cat([linears[n].weight.detach().float() for n in group])
-        q, scale = gptq_quantize(w, h)
+        w = torch.cat([linears[n].weight.detach().float() for n in names])
+        q, scale = gptq_quantize(w, h, group=group)
         start = 0
-        for n in group:
+        for n in names:
             rows = linears[n].out_features
             out[n] = (q[start:start + rows], scale[start:start + rows])
             start += rows

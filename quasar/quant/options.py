@@ -1,4 +1,5 @@
-"""How a model is quantized: the options of the W8A8 pipeline, their defaults and checks."""
+"""How a model is quantized: the options of the sequential pipeline (W8A8, or W4A8 from a float
+model), their defaults and checks."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ LM_HEAD_CHOICES = ("int8", "float")
 # model will really feed it, as GPTQ does), or of the float layer (the same statistics as
 # calibrating the whole float model at once; the reference the tests compare against).
 PROPAGATE_CHOICES = ("quantized", "float")
+WEIGHT_BITS = (8, 4)
 
 
 def parse_alpha(value: float | str) -> float | str:
@@ -59,6 +61,9 @@ class QuantOptions:
     seq_len: int = DEFAULT_SEQ_LEN
     propagate: str = "quantized"
     calib: str | None = None
+    # 4: the decoder layers' linears become W4A8 (symmetric int4 groups, GPTQ-rounded when
+    # gptq, not smoothed: the activations are quantized per group), the head as for 8
+    weight_bits: int = 8
 
     def __post_init__(self) -> None:
         if self.down_act_bits not in ACT_BITS:
@@ -72,6 +77,8 @@ class QuantOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise QuasarError(f"{name} must be an integer >= {lo}, got {value!r}", param=name)
+        if self.weight_bits not in WEIGHT_BITS:
+            raise QuasarError(f"weight_bits must be one of {', '.join(map(str, WEIGHT_BITS))}, got {self.weight_bits!r}")
         if self.propagate not in PROPAGATE_CHOICES:
             raise QuasarError(f"propagate must be one of {', '.join(PROPAGATE_CHOICES)}, got {self.propagate!r}")
         object.__setattr__(self, "alpha", parse_alpha(self.alpha))
@@ -86,7 +93,8 @@ class QuantOptions:
         """What the checkpoint's `quantization_config.quasar` says of how it was made."""
         return {"alpha": self.alpha, "smooth_o_down": bool(self.smooth_o_down), "lm_head": self.lm_head,
                 "backend": self.backend, "gptq": bool(self.gptq), "down_act_bits": int(self.down_act_bits),
-                "rotate": bool(self.rotate), "pipeline": "sequential", "propagate": self.propagate}
+                "rotate": bool(self.rotate), "pipeline": "sequential", "propagate": self.propagate,
+                **({"weight_bits": 4} if self.weight_bits == 4 else {})}
 
     def cache_key(self, calib_digest: str | None) -> dict:
         """The fields that change the weights, as the verifier cache keys them (`calib_digest`:
@@ -99,4 +107,6 @@ class QuantOptions:
                "pipeline": "sequential"}  # entries of the earlier whole-model pipeline are not reused
         if self.propagate != "quantized":
             key["propagate"] = self.propagate
+        if self.weight_bits != 8:
+            key["weight_bits"] = self.weight_bits
         return key

@@ -39,6 +39,11 @@ def _windows(tokenizer, cfg: ModelConfig, opts: QuantOptions, calib_text: str | 
 def _output_config(cfg: ModelConfig, opts: QuantOptions, info: dict) -> dict:
     untied = cfg.tie_word_embeddings and (opts.rotate or opts.int8_head)
     out_cfg = dataclasses.replace(cfg, tie_word_embeddings=cfg.tie_word_embeddings and not untied)
+    if opts.weight_bits == 4:
+        from quasar.quant.w4a8_checkpoint import w4a8_config_of
+        from quasar.quant.w4a8_numerics import W4A8_GROUP
+
+        return w4a8_config_of(out_cfg, W4A8_GROUP, 8, opts.lm_head, {"quasar": info})
     return checkpoint_config(out_cfg, opts.int8_head, info)
 
 

@@ -5,7 +5,9 @@ from layer to layer. For layer i: read its float weights from the source, rotate
 that layer's input statistics and Hessians only, smooth, round with GPTQ, hand the int8
 layer to the sink (a checkpoint shard on disk, or a dict), then run the *quantized* layer
 to make layer i + 1's inputs. The embeddings come first and the final norm and lm_head
-last. Peak memory is about one float layer, its Hessians and the activations; the float
+last. With ``weight_bits=4`` (the W4A8 verifier of a float model) the layers are not
+smoothed and their linears become W4A8Linear, GPTQ-rounded to int4 groups; the head is as
+for W8A8. Peak memory is about one float layer, its Hessians and the activations; the float
 model is never built whole.
 """
 
@@ -27,6 +29,8 @@ from quasar.quant.int8 import Int8Linear
 from quasar.quant.options import QuantOptions
 from quasar.quant.smooth import (head_groups, input_owners, layer_groups, rotate_layer, rotate_rows, rotations,
                                  sample_names, smooth_groups)
+from quasar.quant.w4a8 import W4A8Linear
+from quasar.quant.w4a8_numerics import W4A8_GROUP, symmetric_as_affine
 
 Sink = Callable[[dict[str, Tensor]], None]  # receives each finished part's tensors (HF names)
 
@@ -82,19 +86,27 @@ def _int8(linear: nn.Linear, rounded: tuple[Tensor, Tensor] | None, backend: str
     return layer
 
 
+def _w4(linear: nn.Linear, rounded: tuple[Tensor, Tensor] | None) -> W4A8Linear:
+    if rounded is None:
+        return W4A8Linear.from_float(linear, W4A8_GROUP)
+    return W4A8Linear.from_groups(*symmetric_as_affine(*rounded), W4A8_GROUP, linear.bias)
+
+
 def _quantize_linears(root: nn.Module, prefix: str, groups, all_groups, stats, opts: QuantOptions,
-                      chosen: dict[str, float | None]) -> None:
+                      chosen: dict[str, float | None], four_bit: bool = False) -> None:
     """Smooth ``groups`` (the enabled ones), round every linear under ``root`` (GPTQ where it
-    has a Hessian) and swap it for an Int8Linear in place."""
+    has a Hessian) and swap it for an Int8Linear in place (``four_bit``: a W4A8Linear)."""
     scales: dict[str, Tensor] = {}
     chosen.update(smooth_groups(groups, stats, opts.alpha, scales_out=scales))
     linears = {prefix + n: m for n, m in root.named_modules() if isinstance(m, nn.Linear)}
-    rounded = gptq_weights(linears, input_owners(all_groups), stats.hessians, scales) if opts.gptq else {}
+    rounded = gptq_weights(linears, input_owners(all_groups), stats.hessians, scales,
+                           group=W4A8_GROUP if four_bit else None) if opts.gptq else {}
     modules = dict(root.named_modules())
     for name, lin in linears.items():
         parent, _, child = name[len(prefix):].rpartition(".")
         bits = opts.down_act_bits if name.endswith("mlp.down_proj") else 8
-        setattr(modules[parent] if parent else root, child, _int8(lin, rounded.get(name), opts.backend, bits))
+        new = _w4(lin, rounded.get(name)) if four_bit else _int8(lin, rounded.get(name), opts.backend, bits)
+        setattr(modules[parent] if parent else root, child, new)
 
 
 def _collector(groups, all_groups, opts: QuantOptions, n_windows: int) -> StatsCollector:
@@ -126,13 +138,16 @@ def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[i
         layer = float_layer(source, cfg, i)
         if q is not None:
             rotate_layer(layer, cfg, q, r)
-        groups = layer_groups(layer, cfg, i, opts.smooth_o_down)
+        # 4-bit layers are not smoothed: their activations are quantized per group, and
+        # smoothing would move the outliers into the weights, where 4 bits hurt most
+        groups = layer_groups(layer, cfg, i, opts.smooth_o_down) if opts.weight_bits == 8 else []
         all_groups = layer_groups(layer, cfg, i, True)
         collector = _collector(groups, all_groups, opts, len(windows)).hook(
             {f"model.layers.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)})
         float_out = data.run(layer, collector)
         stats = collector.finish()
-        _quantize_linears(layer, f"model.layers.{i}.", groups, all_groups, stats, opts, chosen)
+        _quantize_linears(layer, f"model.layers.{i}.", groups, all_groups, stats, opts, chosen,
+                          four_bit=opts.weight_bits == 4)
         data.hidden = data.run(layer) if opts.propagate == "quantized" else float_out
         sink({f"model.layers.{i}.{n}": t for n, t in layer.state_dict().items()})
         del layer, float_out, stats

@@ -47,6 +47,7 @@ from torch import Tensor
 from quasar.errors import QuasarError
 
 GROUP_SIZES = (32, 64, 128)  # the candidates issue #34 names; chosen by measuring
+W4A8_GROUP = 32  # the verifier's: GGUF's 4-bit blocks hold groups of 32, float models use the same
 INT4_MAX = 7
 SCALE_DTYPE = torch.float16  # the stored scales and offsets; the epilogue widens them exactly
 # The smallest normal float16: a quantizer's scale floor, so a group of tiny (or zero)

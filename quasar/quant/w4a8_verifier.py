@@ -9,13 +9,15 @@ a float16 times a 6-bit integer, are rounded once to the float16 the kernels str
 float: a Q4_K_M file's output head, half its value and down projections) stay 8-bit, as
 ``Int8Linear`` (per-channel int8, per-token activations, 15-bit ones for the down
 projection, as the W8A8 verifier quantizes it). A model given as a float directory has no
-4-bit groups: its layers are rounded to symmetric int4 groups of 32 (round to nearest; the
-GPTQ pipeline for W4 is still to come), the output head to int8.
+4-bit groups: it goes through the W8A8 verifier's sequential pipeline with ``weight_bits=4``
+(quasar.quant.sequential: rotated, each layer's linears GPTQ-rounded to symmetric int4
+groups of 32 against their calibrated inputs, not smoothed; the output head int8).
 
-Built from the memory-mapped float weights and the GGUF file, a layer at a time (nothing
-is calibrated: seconds for the default model, about half a minute at 1.5B), then written to
-``$QUASAR_CACHE/w4a8/`` as a W4A8 checkpoint (quasar.quant.w4a8_checkpoint) keyed like the
-W8A8 cache, so later runs load it; ``quasar quantize --bits 4`` writes the same checkpoint.
+A GGUF's groups are built from the memory-mapped float weights and the file, a layer at a
+time (nothing is calibrated: seconds for the default model, about half a minute at 1.5B);
+either way the result is written to ``$QUASAR_CACHE/w4a8/`` as a W4A8 checkpoint
+(quasar.quant.w4a8_checkpoint) a part at a time, keyed like the W8A8 cache, so later runs
+load it; ``quasar quantize --bits 4`` writes the same checkpoint.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from quasar.models.llama import Transformer
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.options import DEFAULT_DOWN_ACT_BITS
 from quasar.quant.w4a8 import W4A8Linear
+from quasar.quant.w4a8_numerics import W4A8_GROUP
 
-GROUP = 32  # GGUF's 4-bit blocks hold groups of 32; float sources use the same
+GROUP = W4A8_GROUP
 # What build_w4a8 makes, named in the cache key: change it when the recipe changes, so old
 # cache entries are not taken for the new verifier.
 RECIPE = "gguf-int4-groups, other layers int8 (down_proj 15-bit acts), int8 head, float16 group params, v2"
@@ -46,11 +49,16 @@ LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
 
 def gguf_source(loaded) -> Path | None:
     """The GGUF file `loaded` (a LoadedModel) was converted from, or None (a directory)."""
-    if loaded.source == "default":
+    return gguf_path(str(loaded.source))
+
+
+def gguf_path(model: str) -> Path | None:
+    """The GGUF file a `--model` value names ('default' is one), or None (a directory)."""
+    if model == "default":
         from quasar.data.packages import default_model_path
 
         return Path(default_model_path())
-    path = Path(loaded.source).expanduser()
+    path = Path(model).expanduser()
     return path if path.suffix.lower() == ".gguf" else None
 
 
@@ -99,6 +107,8 @@ def cache_path(loaded) -> Path:
     gguf = gguf_source(loaded)
     gguf_id = [str(gguf.resolve()), gguf.stat().st_size, gguf.stat().st_mtime_ns] if gguf is not None else None
     key = {"gguf": gguf_id, "recipe": RECIPE, "w4a8_format": FORMAT_VERSION}
+    if gguf is None:  # calibrated: the pipeline's options are part of the recipe
+        key["options"] = float_source_options().cache_key(None)
     return verifier.cache_path(Path(loaded.model_dir), torch.float32, key, kind="w4a8")
 
 
@@ -132,15 +142,29 @@ def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:
     return build_w4a8(loaded)
 
 
-def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = False,
-                          progress: bool = False) -> dict:
+def float_source_options():
+    """How a float directory becomes the W4A8 verifier: the sequential pipeline's defaults
+    (rotation, GPTQ, the built-in calibration text) with 4-bit layers."""
+    from quasar.quant.options import QuantOptions
+
+    return QuantOptions(weight_bits=4)
+
+
+def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = False, progress: bool = False,
+                          options=None, calib_text: str | None = None) -> dict:
     """Write the W4A8 checkpoint of `loaded` (a float directory or GGUF file) to `out`
     (quasar.quant.w4a8_checkpoint), one shard per part as it is made, so memory holds one
     float layer (or the embeddings) at a time; `out` appears only once complete. Returns its
-    config.json."""
+    config.json. A float directory is calibrated (`options`, default
+    ``float_source_options()``; `calib_text` replaces the built-in corpus)."""
     from quasar.fileio import atomic_dir
     from quasar.quant.checkpoint import ShardWriter
 
+    if gguf_source(loaded) is None:
+        from quasar.quant.quantize import quantize_to_dir
+
+        return quantize_to_dir(loaded.model_dir, loaded.tokenizer, out, options=options or float_source_options(),
+                               calib_text=calib_text, progress=progress, exist_ok=exist_ok)
     written: dict = {}
 
     def fill(tmp: Path) -> None:
@@ -158,15 +182,22 @@ def build_w4a8(loaded) -> Transformer:
     from quasar.models.config import ModelConfig
     from quasar.models.hf import build_model
 
+    if gguf_source(loaded) is None:
+        from quasar.models.tensors import SafetensorsSource
+        from quasar.quant.quantize import build_w8a8
+
+        return build_w8a8(SafetensorsSource(loaded.model_dir), loaded.tokenizer, cfg=loaded.config,
+                          options=float_source_options(), progress=False)
     tensors: dict[str, torch.Tensor] = {}
     config = _w4a8_parts(loaded, tensors.update, {"source": str(loaded.source)})
     return build_model(ModelConfig.from_hf(config), tensors, "w4a8", torch.float32, config["quantization_config"])
 
 
 def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool = False) -> dict:
-    """Make the W4A8 model's tensors (Hugging Face names) part by part into `sink`: the
-    embeddings, each decoder layer (read from the memory-mapped float weights, its linears
-    replaced as RECIPE says), the final norm with the int8 head. Returns the config.json."""
+    """Make the W4A8 model of a GGUF source's 4-bit groups, its tensors (Hugging Face names)
+    part by part into `sink`: the embeddings, each decoder layer (read from the memory-mapped
+    float weights, its linears replaced as RECIPE says), the final norm with the int8 head.
+    Returns the config.json."""
     from tqdm import tqdm
 
     from quasar.models.tensors import SafetensorsSource
@@ -175,8 +206,7 @@ def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool
 
     cfg = loaded.config
     source = SafetensorsSource(loaded.model_dir)
-    gguf = gguf_source(loaded)
-    groups = gguf_int4_groups(gguf, cfg) if gguf is not None else None
+    groups = gguf_int4_groups(gguf_source(loaded), cfg)
     sink({"model.embed_tokens.weight": source.get("model.embed_tokens.weight").float()})
     down_bits = 8
     with torch.no_grad():  # not inference_mode: the tensors become a model's parameters
@@ -185,12 +215,10 @@ def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool
             layer = float_layer(source, cfg, i)
             for name in LAYER_LINEARS:
                 linear = layer.get_submodule(name)
-                found = groups.pop(f"model.layers.{i}.{name}.weight", None) if groups is not None else None
+                found = groups.pop(f"model.layers.{i}.{name}.weight", None)
                 if found is not None:
                     q, scale, offset = found()
                     new: nn.Module = W4A8Linear.from_groups(q, scale, offset, GROUP, linear.bias)
-                elif groups is None:
-                    new = W4A8Linear.from_float(linear, GROUP)
                 else:  # a tensor the file keeps wider than 4 bits
                     bits = DEFAULT_DOWN_ACT_BITS if name == "mlp.down_proj" else 8
                     down_bits = max(down_bits, bits)
