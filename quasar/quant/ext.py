@@ -264,9 +264,9 @@ def amx_min_rows(value: int | None = None) -> int:
 
 def pack_tiles(weight: torch.Tensor, release_source: bool = False) -> torch.Tensor | None:
     """``weight`` [N, K] int8 in the small-M kernel's tile layout (int8, 1-D; the same on every
-    kernel path), or None without the op. ``release_source``: each tile's rows are handed
-    back to the OS once copied (as :func:`release_pages`), so a memory-mapped weight is not
-    resident twice while it is packed."""
+    kernel path), or None without the op. ``release_source``: the weight is handed back to
+    the OS as it is copied, 16 MiB at a time (as :func:`release_pages`), so a memory-mapped
+    weight is not resident twice while it is packed."""
     if not small_m_supported():
         return None
     return torch.ops.quasar_quant.int8_pack_tiles(weight, release_source)

@@ -67,12 +67,13 @@ def _round_rows(w: Tensor, scale: Tensor, u: Tensor, block: int, qmax: int = 127
         i2 = min(i1 + block, n)
         wt = w[:, :, i1:i2].transpose(1, 2).contiguous()  # [B, cols, rows]: a column is a row
         st = scale[:, :, i1:i2].transpose(1, 2)
+        inv = 1.0 / st  # once a block, not once a column
         qt = torch.empty_like(wt)
         err = torch.empty_like(wt)
         u1 = u[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
             col, s2 = wt[:, i:i + 1], st[:, i:i + 1]
-            qi = torch.round(col * (1.0 / s2)).clamp_(-qmax, qmax)
+            qi = torch.round(col * inv[:, i:i + 1]).clamp_(-qmax, qmax)
             qt[:, i:i + 1] = qi
             e = (col - qi * s2) / u1[:, i, i, None, None]
             err[:, i:i + 1] = e

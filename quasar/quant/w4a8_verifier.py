@@ -37,9 +37,8 @@ from quasar.models.llama import Transformer
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.options import DEFAULT_DOWN_ACT_BITS
 from quasar.quant.w4a8 import W4A8Linear
-from quasar.quant.w4a8_numerics import W4A8_GROUP
+from quasar.quant.w4a8_numerics import W4A8_GROUP as GROUP  # the verifier's group size
 
-GROUP = W4A8_GROUP
 # What build_w4a8 makes, named in the cache key: change it when the recipe changes, so old
 # cache entries are not taken for the new verifier.
 RECIPE = "gguf-int4-groups, other layers int8 (down_proj 15-bit acts), int8 head, float16 group params, v2"
@@ -155,8 +154,9 @@ def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = Fal
     """Write the W4A8 checkpoint of `loaded` (a float directory or GGUF file) to `out`
     (quasar.quant.w4a8_checkpoint), one shard per part as it is made, so memory holds one
     float layer (or the embeddings) at a time; `out` appears only once complete. Returns its
-    config.json. A float directory is calibrated (`options`, default
-    ``float_source_options()``; `calib_text` replaces the built-in corpus)."""
+    config.json. A GGUF source's config records `info` (e.g. the source); a float directory is
+    calibrated instead (`options`, default ``float_source_options()``; `calib_text` replaces
+    the built-in corpus), and its config records those options, as a W8A8 checkpoint does."""
     from quasar.fileio import atomic_dir
     from quasar.quant.checkpoint import ShardWriter
 

@@ -30,7 +30,7 @@ inline bool tiles_symmetric(const int8_t* tiles, int64_t n, int64_t k) {
 // + i][4 g + j], so one 64-byte load is 16 rows' next four weights (vpdpbusd's operand) and a
 // tile is read as one sequential stream. Tile t starts at byte 64 t * K4 (K4 = padded_k(K));
 // rows past n and columns past K are zero. The footer follows (tiled_bytes). release_source:
-// each tile's source rows go to release_span once copied.
+// the source goes to release_span as it is copied, a chunk at a time (int8_linear.cpp).
 void pack_tiles(const int8_t* w, int64_t n, int64_t k, int8_t* out, bool release_source = false);
 // madvise(MADV_PAGEOUT) on the pages wholly inside [p, p + bytes): a memory-mapped file's
 // clean pages leave memory and are read again if touched; nothing is lost. False if no hint.

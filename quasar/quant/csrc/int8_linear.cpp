@@ -873,8 +873,8 @@ bool int8_onednn_exact(int64_t value) {
 bool int8_amx_supported() { return amx_supported(); }
 
 // The weight [N, K] int8 in the small-M kernel's tile layout (quasar::pack_tiles). With
-// release_source, each tile's source rows are handed back to the OS once copied (see
-// release_span), so a memory-mapped weight is never resident twice, even while packing.
+// release_source, the source is handed back to the OS as it is copied, 16 MiB at a time (see
+// pack_tiles), so a memory-mapped weight is never resident twice, even while packing.
 at::Tensor int8_pack_tiles(const at::Tensor& weight, bool release_source) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
               "int8_pack_tiles: weight must be a 2-D int8 CPU tensor");
