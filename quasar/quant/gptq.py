@@ -146,7 +146,9 @@ def gptq_weights(linears: dict[str, nn.Linear], owners: dict[str, str], hessians
         if s is not None:
             s = s.float()
             h = h / (s[:, None] * s[None, :])
-        w = torch.cat([linears[n].weight.detach().float() for n in names])
+        weights = [linears[n].weight.detach() for n in names]
+        # one matrix (an lm_head) is read as it is: gptq_quantize widens a block of rows at a time
+        w = weights[0] if len(weights) == 1 else torch.cat([x.float() for x in weights])
         q, scale = gptq_quantize(w, h, group=group)
         start = 0
         for n in names:

@@ -126,9 +126,8 @@ def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[i
     q, r = rotations(cfg) if opts.rotate else (None, None)
     chosen: dict[str, float | None] = {}
 
-    emb = source.get("model.embed_tokens.weight").float()
-    if q is not None:
-        emb = rotate_rows(emb, q)
+    emb = source.get("model.embed_tokens.weight")  # memory-mapped, in its stored dtype
+    emb = emb.float() if q is None else rotate_rows(emb, q, dtype=torch.float32)
     data = _Windows(cfg, [emb[torch.tensor(ids)][None] for ids in windows])
     sink({"model.embed_tokens.weight": emb})
     del emb
@@ -174,11 +173,14 @@ def _quantize_head(source: TensorSource, cfg: ModelConfig, hidden: list[Tensor],
             sink({"lm_head.weight": source.get("lm_head.weight")})
         return
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in source
-    head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    head.weight = nn.Parameter(source.get("model.embed_tokens.weight" if tied else "lm_head.weight").float(),
-                               requires_grad=False)
+    # on "meta": a vocabulary-sized Linear would otherwise allocate and initialize a weight
+    # as large as the one read next (2.5 GB in float32 at the 8B shapes)
+    head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+    stored = source.get("model.embed_tokens.weight" if tied else "lm_head.weight")  # memory-mapped
+    weight = stored.float() if q is None else rotate_rows(stored, q, norm.weight.data, dtype=torch.float32)
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    del stored, weight
     if q is not None:
-        head.weight.data = rotate_rows(head.weight.data, q, norm.weight.data)
         norm.weight.data = torch.ones_like(norm.weight.data)
     holder = nn.Module()
     holder.lm_head = head

@@ -64,6 +64,7 @@ AUTO_GRID: tuple[float | None, ...] = (None, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 
 _EPS = 1e-5
 _WIDE = 8192  # consumers with more output rows than this (lm_head) are searched on a subset
 _SEARCH_ROWS_LARGE = 128  # activation rows replayed for them
+_ROW_CHUNK = 8192  # rows widened (rotated, scanned) at a time: a vocabulary-sized matrix never is whole
 
 
 @dataclass
@@ -127,8 +128,13 @@ def input_owners(groups: Sequence[BoundGroup]) -> dict[str, str]:
 
 def _consumer_wmax(bg: BoundGroup) -> Tensor:
     """max |W[:, j]| over all consumers, per input column (float32)."""
-    w = torch.stack([c.weight.detach().float().abs().amax(dim=0) for c in bg.consumers])
-    return w.amax(dim=0)
+    return torch.stack([_column_absmax(c.weight.detach()) for c in bg.consumers]).amax(dim=0)
+
+
+def _column_absmax(w: Tensor) -> Tensor:
+    """max |w[:, j]| per column in float32, a chunk of rows at a time (no copy of an lm_head)."""
+    return torch.stack([w[i:i + _ROW_CHUNK].float().abs().amax(dim=0)
+                        for i in range(0, w.shape[0], _ROW_CHUNK)]).amax(dim=0)
 
 
 def _per_kv(t: Tensor, bg: BoundGroup) -> Tensor:
@@ -174,7 +180,10 @@ def fold(bg: BoundGroup, s_prod: Tensor, s_cons: Tensor) -> None:
         if p.bias is not None:
             p.bias.data = (p.bias.data.float() / s_prod).to(p.bias.dtype)
     for c in bg.consumers:
-        c.weight.data = (c.weight.data.float() * s_cons[None, :]).to(c.weight.dtype)
+        if c.weight.dtype == torch.float32:  # in place: the same product, without a second lm_head
+            c.weight.data.mul_(s_cons[None, :])
+        else:
+            c.weight.data = (c.weight.data.float() * s_cons[None, :]).to(c.weight.dtype)
 
 
 def _fake_quant_rows(t: Tensor, weight: bool) -> Tensor:
@@ -270,14 +279,12 @@ def _set(p: nn.Parameter | Tensor, value: Tensor) -> None:
     p.data = value.to(p.dtype).contiguous()
 
 
-_ROW_CHUNK = 8192  # rows rotated at a time: a vocabulary-sized matrix is never upcast whole
-
-
-def rotate_rows(w: Tensor, q: Tensor, gain: Tensor | None = None) -> Tensor:
-    """(w * gain) @ q in float32, chunk by chunk, back in w's dtype: what a reader of the
-    rotated stream (a linear after a norm with weight ``gain``, or the embedding table)
-    holds. float32 keeps the fold exact to ~1e-6 relative, at half float64's cost."""
-    out = torch.empty_like(w)
+def rotate_rows(w: Tensor, q: Tensor, gain: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """(w * gain) @ q in float32, chunk by chunk, in ``dtype`` (default w's): what a reader
+    of the rotated stream (a linear after a norm with weight ``gain``, or the embedding
+    table) holds. float32 keeps the fold exact to ~1e-6 relative, at half float64's cost.
+    A stored bfloat16 table rotated into float32 is widened a chunk at a time, never whole."""
+    out = torch.empty(w.shape, dtype=dtype or w.dtype)
     q = q.float()
     g = None if gain is None else gain.detach().float()[None, :]
     for i in range(0, w.shape[0], _ROW_CHUNK):
