@@ -212,6 +212,24 @@ def test_bad_mode_and_peer_names(capsys):
         assert "choose from" in capsys.readouterr().err
 
 
+def _cpuinfo(vendor: str, family: int, model: int, name: str) -> str:
+    block = f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: {name}\n"
+    return block.format(0) + "\n" + block.format(1).replace(name, "other")
+
+
+def test_reports_name_the_cpu_beyond_a_masked_model_name():
+    from quasar.bench.runner import describe_cpu
+
+    # VMs show "AMD EPYC" for every generation; the family and model tell Zen 4 from Zen 5.
+    assert describe_cpu(_cpuinfo("AuthenticAMD", 25, 17, "AMD EPYC")) == "AMD EPYC (AMD family 25 model 17: Zen 4)"
+    assert describe_cpu(_cpuinfo("AuthenticAMD", 26, 2, "AMD EPYC")) == "AMD EPYC (AMD family 26 model 2: Zen 5)"
+    assert describe_cpu(_cpuinfo("AuthenticAMD", 25, 1, "AMD EPYC 7763")) == "AMD EPYC 7763 (AMD family 25 model 1: Zen 3)"
+    intel = describe_cpu(_cpuinfo("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+"))
+    assert intel == "Intel(R) Xeon(R) Platinum 8480+ (Intel family 6 model 143)"
+    assert describe_cpu("processor\t: 0\n") is None
+    assert describe_cpu("model name\t: Some CPU\n") == "Some CPU"
+
+
 def test_bandwidth_measurement():
     from quasar.bench.bandwidth import combine, measure_read_bandwidth
     from quasar.errors import QuasarError

@@ -234,14 +234,49 @@ class QuasarMode(Contender):
 # --------------------------------------------------------------------------- environment
 
 
+# AMD's Zen generations by (family, first model, last model). VMs often show only "AMD EPYC"
+# as the model name, so a Zen 4 host and a Zen 5 host would read alike in a report.
+_AMD_ZEN = (
+    (0x17, 0x00, 0x2F, "Zen/Zen+"),
+    (0x17, 0x30, 0xFF, "Zen 2"),
+    (0x19, 0x00, 0x0F, "Zen 3"),
+    (0x19, 0x10, 0x1F, "Zen 4"),
+    (0x19, 0x20, 0x5F, "Zen 3"),
+    (0x19, 0x60, 0xAF, "Zen 4"),
+    (0x1A, 0x00, 0x4F, "Zen 5"),
+)
+
+
+def describe_cpu(cpuinfo: str) -> str | None:
+    """The CPU as a report names it: /proc/cpuinfo's model name, with the vendor's family and
+    model numbers (and the Zen generation they mean on AMD), e.g. "AMD EPYC (AMD family 26
+    model 2: Zen 5)"; None without a model name."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if not name:
+        return None
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return name
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(fields.get("vendor_id", ""), "")
+    ident = f"{vendor} family {family} model {model}".strip()
+    if vendor == "AMD":
+        ident += "".join(f": {zen}" for fam, lo, hi, zen in _AMD_ZEN if fam == family and lo <= model <= hi)
+    return f"{name} ({ident})"
+
+
 def _cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        described = describe_cpu(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        described = None
+    return described or platform.processor() or platform.machine()
 
 
 def _version(module: str) -> str | None:
