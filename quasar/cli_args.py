@@ -47,8 +47,8 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """Drafter, verifier and draft options of generate and serve."""
     p.add_argument("--drafter", default=DEFAULT_DRAFTER,
-                   help=f"auto | none | ngram | tree (default {DEFAULT_DRAFTER}: tree drafts where the W8A8 step's "
-                        "extra rows are cheap, on CPUs with AMX tiles, else ngram)")
+                   help=f"auto | none | ngram | tree (default {DEFAULT_DRAFTER}: tree drafts where the quantized "
+                        "verifier's extra rows are cheap, on CPUs with AMX tiles, else ngram)")
     p.add_argument("--verifier", default=None,
                    help=f"fp | w8a8 | w4a8 | pruned:F (default: {DEFAULT_VERIFIER}; a quantized checkpoint: its own)")
     add_draft_args(p)

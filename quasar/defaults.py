@@ -1,6 +1,6 @@
 """Defaults shared by the API, CLI, server and bench (no heavy imports: `quasar --help` stays fast)."""
 
-# "auto": tree drafts (`--drafter tree`) where a W8A8 step's extra rows are cheap (the fused
+# "auto": tree drafts (`--drafter tree`) where a W8A8 or W4A8 step's extra rows are cheap (the fused
 # step on a CPU with AMX tiles), else the paper's chain (`ngram`). With AMX a tree's extra rows
 # cost little beside the weights every step streams, so its longer accepted runs win; with
 # the VNNI kernel alone every row is a further pass of arithmetic and trees lose to the

@@ -187,6 +187,21 @@ def test_bench_w8a8_modes(tiny_model, tmp_path, capsys):
     _check_fidelity(res, (tmp_path / "o" / "report.md").read_text())
 
 
+def test_bench_w4a8_modes(tiny_model, tmp_path, capsys):
+    """The W4A8 verifier's modes: the chain and the tree both give ar-w4a8's greedy tokens and
+    share its fidelity figure."""
+    res = _run_json(capsys, ["--model", str(tiny_model("llama")), "--tasks", "code", "--n", "1", "--repeats", "1",
+                             "--modes", "ar-w4a8,quasar-w4a8,quasar-w4a8-tree", "--peers", "none", "--out",
+                             str(tmp_path / "o"), *FAST])
+    modes = res["modes"]
+    assert res["unavailable"] == {} and not res["warnings"]
+    assert modes["ar-w4a8"]["mean_accepted"] == 1.0 and modes["quasar-w4a8-tree"]["mean_accepted"] >= 1.0
+    assert modes["quasar-w4a8"]["same_output_as_own_ar"] == modes["quasar-w4a8-tree"]["same_output_as_own_ar"] == 1
+    fid = res["fidelity"]["engines"]
+    assert fid["ar-w4a8"] == fid["quasar-w4a8"] == fid["quasar-w4a8-tree"]
+    assert fid["quasar-w4a8-tree"]["model"] == "verifier w4a8"
+
+
 @pytest.mark.parametrize("content, match", [
     (None, r"file not found"),
     ("", r"file is empty"),

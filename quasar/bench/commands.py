@@ -12,7 +12,7 @@ from quasar.errors import QuasarError
 DEFAULT_MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "quasar-tree", "ngram-pruned")
 # The W4A8 verifier's modes (issue #34) run only when asked for: a second quantized verifier
 # in the process costs its build, its memory and a fidelity pass.
-MODE_NAMES = (*DEFAULT_MODE_NAMES, "ar-w4a8", "quasar-w4a8")
+MODE_NAMES = (*DEFAULT_MODE_NAMES, "ar-w4a8", "quasar-w4a8", "quasar-w4a8-tree")
 PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8",
               "openvino", "openvino-pld")
 TASK_NAMES = ("code", "summarization", "qa", "math", "chat")

@@ -63,6 +63,7 @@ MODES: dict[str, tuple[str, str]] = {
     "ngram-pruned": ("ngram", "pruned:0.5"),
     "ar-w4a8": ("none", "w4a8"),
     "quasar-w4a8": ("ngram", "w4a8"),
+    "quasar-w4a8-tree": ("tree", "w4a8"),
 }
 DEFAULT_N = 5
 DEFAULT_REPEATS = 3
@@ -505,7 +506,7 @@ def _warm_up(cfg: BenchConfig, llm, candidates: list[Contender], prompts: list[B
 
 def own_ar_mode(e: Contender, engines: list[Contender]) -> str | None:
     """The autoregressive mode of the run on drafting mode `e`'s verifier (quasar, quasar-tree:
-    ar-w8a8; quasar-w4a8: ar-w4a8), whose greedy tokens `e` must reproduce; None if none ran."""
+    ar-w8a8; quasar-w4a8, quasar-w4a8-tree: ar-w4a8), whose greedy tokens `e` must reproduce; None if none ran."""
     if e.kind != "mode" or e.drafter == "none":
         return None
     return next((o.name for o in engines if o.kind == "mode" and o.drafter == "none" and o.verifier == e.verifier),
