@@ -166,17 +166,14 @@ _MEASURE = textwrap.dedent("""
     from quasar.models.loader import resolve_model_dir
     from quasar.models.tokenizer import Tokenizer
     from quasar.quant.quantize import quantize_to_dir
+    from quasar.resources import peak_rss_gb  # this process's own peak (VmHWM), as quantize reports it
 
     torch.set_num_threads(1)
     src, out = sys.argv[1], sys.argv[2]
     tok = Tokenizer(resolve_model_dir(src))
-    def status_kb(field):  # VmHWM is this process's own peak (ru_maxrss carries the forking parent's)
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    before = status_kb("VmHWM")
+    before = peak_rss_gb()
     quantize_to_dir(src, tok, out, calib_text="abcdefghijklm" * 200, samples=2, seq_len=64, progress=False)
-    print(json.dumps({"before_kb": before, "peak_kb": status_kb("VmHWM")}))
+    print(json.dumps({"before_gb": before, "peak_gb": peak_rss_gb()}))
 """)
 
 
@@ -195,7 +192,7 @@ def _quantize_peak_growth(src: Path, out: Path) -> int:
     assert proc.returncode == 0, proc.stderr[-2000:]
     rss = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (out / "model.safetensors.index.json").is_file()
-    return (rss["peak_kb"] - rss["before_kb"]) * 1024
+    return round((rss["peak_gb"] - rss["before_gb"]) * 1e9)
 
 
 def test_quantizing_peak_does_not_grow_with_depth(tmp_path):
