@@ -89,3 +89,32 @@ def test_only_qwen_architectures(tmp_path, random_model):
     (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
     with pytest.raises(ValueError, match="only qwen2, qwen3"):
         rmg.write_gguf(bad, tmp_path / "x.gguf", default_model_path())
+
+
+def test_a_gguf_kept_wider_than_4_bits_gets_fitted_4bit_layers(tmp_path, random_model):
+    """The W4A8 verifier of a GGUF whose layer tensors are wider than 4 bits (here all of them,
+    BF16; in a Q4_K_M file its Q6_K value and down projections): every decoder linear becomes
+    4-bit groups fitted to the stored weights (``fit_weight_w4_affine``), not int8, and the
+    head stays int8. Greedy decoding with it is greedy decoding of those weights."""
+    from quasar.models.loader import load_model
+    from quasar.quant.int8 import Int8Linear
+    from quasar.quant.w4a8 import W4A8Linear
+    from quasar.quant.w4a8_numerics import dequantize_w4, fit_weight_w4_affine
+    from quasar.quant.w4a8_verifier import LAYER_LINEARS, w4a8_verifier
+
+    path = tmp_path / "m.gguf"
+    rmg.write_gguf(random_model, path, default_model_path())
+    loaded = load_model(str(path))
+    model = w4a8_verifier(loaded, cache=False)
+    assert isinstance(model.lm_head, Int8Linear) and model.quant_kind == "w4a8"
+    for i, layer in enumerate(model.model.layers):
+        for name in LAYER_LINEARS:
+            got = layer.get_submodule(name)
+            assert isinstance(got, W4A8Linear), (i, name)
+            w = loaded.model.model.layers[i].get_submodule(name).weight
+            assert torch.equal(got.dequantized_weight(), dequantize_w4(*_fitted(fit_weight_w4_affine(w, 32)))), (i, name)
+
+
+def _fitted(qso):
+    q, s, o = qso
+    return q, s, 32, o

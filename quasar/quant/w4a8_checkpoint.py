@@ -7,8 +7,9 @@ loader's strict state-dict load checks every tensor:
 - a 4-bit layer (``W4A8Linear``): ``NAME.qweight`` uint8 [out, in / 2] (two weights a byte,
   w4a8_numerics.pack_int4), ``NAME.scales`` and ``NAME.offsets`` float16 [out, in / group]
   (w = scale * q + offset), ``NAME.bias`` where the layer has one;
-- an 8-bit layer (``Int8Linear``: a Q4_K_M file's Q6_K tensors, the output head):
-  ``NAME.weight`` int8 [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's.
+- an 8-bit layer (``Int8Linear``: the output head; in checkpoints written before session
+  24, also a Q4_K_M file's Q6_K tensors, which are 4-bit since): ``NAME.weight`` int8
+  [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's.
 
 ``quantization_config`` is ``{"quant_method": "quasar-w4a8", "version", "group_size",
 "down_act_bits", "lm_head", "source"}``. The affine groups carry float offsets (GGUF's Q4_K
