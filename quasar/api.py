@@ -198,15 +198,16 @@ class LLM:
 
     def resolve_drafter(self, drafter: str | None, verifier: str) -> str:
         """The drafter a call decodes with: `drafter` (None: this LLM's default), where "auto"
-        becomes tree drafts if `verifier` is a quantized model (W8A8 or W4A8) and its fused
-        step, measured on this CPU, takes 16 rows at little more than the cost of one
-        (quasar.quant.step_cost), else the chain (quasar.defaults.DEFAULT_DRAFTER)."""
+        becomes tree drafts if `verifier` is a quantized model (W8A8 or W4A8) whose fused step,
+        measured on this CPU, takes 16 rows at little more than the cost of one or takes 10 ms
+        or more for one row (quasar.quant.step_cost.StepCosts.prefers_trees), else the chain
+        (quasar.defaults.DEFAULT_DRAFTER)."""
         drafter = drafter or self.drafter
-        cheap_rows = False
+        trees = False
         if drafter == AUTO and verifier in ("w8a8", "w4a8"):
             costs = step_cost.current(self.verifier_model(verifier))
-            cheap_rows = costs is not None and costs.rows_are_cheap
-        return resolve_drafter(drafter, cheap_rows)
+            trees = costs is not None and costs.prefers_trees
+        return resolve_drafter(drafter, trees)
 
     def new_drafter(self, plan: DecodePlan) -> Drafter:
         """A fresh drafter for one sequence of `plan`. Tree drafters share their verifier's

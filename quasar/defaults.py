@@ -1,11 +1,13 @@
 """Defaults shared by the API, CLI, server and bench (no heavy imports: `quasar --help` stays fast)."""
 
 # "auto": tree drafts (`--drafter tree`) where a W8A8 or W4A8 step's extra rows are cheap (the fused
-# step on a CPU with AMX tiles), else the paper's chain (`ngram`). With AMX a tree's extra rows
-# cost little beside the weights every step streams, so its longer accepted runs win; with
-# the VNNI kernel alone every row is a further pass of arithmetic and trees lose to the
-# chain. `quasar bench --modes quasar,quasar-tree` times the two side by side (BENCHMARKS.md
-# has the current figures per model size and CPU kind).
+# step on a CPU with AMX tiles) or its one-row step is long (10 ms or more: a model of 1.5B and
+# up), else the paper's chain (`ngram`). With AMX a tree's extra rows cost little beside the
+# weights every step streams, so its longer accepted runs win. Without, a tree keeps only the
+# nodes that pay for their measured row cost; on a long step that still beats the chain
+# (1.5B: 1.01-1.19x), on a short one the host's work on the tree costs more than it gains
+# (135M, forced AVX2: 0.95x). `quasar bench --modes quasar,quasar-tree` times the two side by
+# side (BENCHMARKS.md has the current figures per model size and CPU kind).
 DEFAULT_DRAFTER = "auto"
 DEFAULT_VERIFIER = "w8a8"
 DEFAULT_CONTEXT = 8192

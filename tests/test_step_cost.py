@@ -38,6 +38,19 @@ def test_dear_rows_keep_a_chain_priced_at_their_cost():
     assert costs(1.0, 0.9, 0.9, 0.95, 1.0).row_cost == 0.005  # noise never prices rows below zero
 
 
+def test_auto_drafts_trees_where_rows_are_cheap_or_the_step_is_long():
+    """Dear rows keep the chain on a short step (135M, forced AVX2: trees 0.95x the chain) and
+    take trees on a long one (1.5B: 1.01-1.19x), at the same ratios."""
+    dear = (1.0, 1.53, 1.92, 3.37, 6.42)  # a 1.5B W8A8 step on forced AVX2 (Zen 5)
+    short = StepCosts(PROBE_ROWS, tuple(0.0031 * r for r in dear), "avx2")
+    long = StepCosts(PROBE_ROWS, tuple(0.0256 * r for r in dear), "avx2")
+    assert not short.rows_are_cheap and not short.prefers_trees
+    assert not long.rows_are_cheap and long.prefers_trees
+    assert short.row_cost == pytest.approx(long.row_cost)  # the trees' pricing is the same
+    amx_like = StepCosts(PROBE_ROWS, (0.003, 0.00306, 0.00318, 0.00345, 0.0039), "amx")
+    assert amx_like.rows_are_cheap and amx_like.prefers_trees
+
+
 def test_a_disturbed_probe_is_not_cached():
     assert step_cost._plausible((0.010, 0.0101, 0.0105, 0.012, 0.016))
     assert not step_cost._plausible((0.010, 0.011, 0.004, 0.012, 0.016))  # 4 rows "faster" than 2

@@ -15,7 +15,9 @@ decoder weighs drafts with:
   drafts): the rows a tree may use;
 - ``row_cost``: the least-squares slope of the step's time over its rows up to
   ``pass_rows``, as a fraction of a one-row step (``Transformer.row_cost``);
-- ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``, so ``--drafter auto`` drafts trees;
+- ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``;
+- ``prefers_trees``: rows are cheap or a one-row step takes ``TREE_STEP_SECONDS`` or more, so
+  ``--drafter auto`` drafts trees;
 - ``prefetch_whole``: on the AVX2 and AVX-VNNI paths (and for W4A8 layers on every SIMD
   path), whether a one-row step is faster with
   its weight streams prefetched in software throughout or only at their starts
@@ -50,6 +52,14 @@ PROBE_ROWS = (1, 2, 4, 8, 16)
 CHEAP_ROW = 0.04
 MIN_PASS_ROWS = 6  # the pending token and a chain of 5 drafts: never fewer
 TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
+# A one-row step at least this long is worth drafting trees for even where rows are dear: the
+# host's share of a tree step (proposing the tree in Python, scoring its rows) is small beside
+# it, and a tree priced by the measured row cost (DraftTree.worth_keeping) keeps only the nodes
+# that pay, so it beats the chain, which drafts up to k tokens on any n-gram match. Measured
+# tree ÷ chain tokens/s (quasar bench, 15 prompts x 128 tokens): 1.5B W8A8 (18-28 ms steps)
+# 1.19x avx512-vnni and 1.07x forced AVX2 on a Zen 5, 1.03x and 1.01x on a Zen 4, W4A8 1.09x;
+# 135M (3-4 ms) 0.95x on forced AVX2, where the host's share is larger.
+TREE_STEP_SECONDS = 0.010
 _ROUNDS = 5
 _PROMPT_TOKENS = 32
 _VERSION = 2  # of the probe: a change here invalidates cached results
@@ -164,6 +174,11 @@ class StepCosts:
     @property
     def rows_are_cheap(self) -> bool:
         return self.pass_rows >= TREE_ROWS
+
+    @property
+    def prefers_trees(self) -> bool:
+        """Whether ``--drafter auto`` drafts trees here (TREE_ROWS, TREE_STEP_SECONDS)."""
+        return self.rows_are_cheap or self.seconds[self.rows.index(1)] >= TREE_STEP_SECONDS
 
 
 def _cache_key(model: nn.Module, path: str) -> str:

@@ -19,14 +19,14 @@ def check_drafter_name(name: str) -> None:
         drafter_class(name)
 
 
-def resolve_drafter(name: str, rows_are_cheap: bool) -> str:
-    """The drafter `name` stands for: AUTO is "tree" when the verifier's extra rows are cheap
-    (quasar.defaults.DEFAULT_DRAFTER says where), else the chain "ngram"; any other name is
-    itself."""
+def resolve_drafter(name: str, trees_pay: bool) -> str:
+    """The drafter `name` stands for: AUTO is "tree" when trees pay on the verifier's measured
+    step (quasar.defaults.DEFAULT_DRAFTER says where), else the chain "ngram"; any other name
+    is itself."""
     check_drafter_name(name)
     if name != AUTO:
         return name
-    return "tree" if rows_are_cheap else "ngram"
+    return "tree" if trees_pay else "ngram"
 
 
 def drafter_class(name: str) -> type[Drafter]:
