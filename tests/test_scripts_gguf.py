@@ -95,9 +95,9 @@ def test_a_gguf_kept_wider_than_4_bits_gets_fitted_4bit_layers(tmp_path, random_
     """The W4A8 verifier of a GGUF whose layer tensors are wider than 4 bits (here all of them,
     BF16; in a Q4_K_M file its Q6_K value and down projections): every decoder linear becomes
     4-bit groups fitted to the stored weights (``fit_weight_w4_affine``), not int8, and the
-    head stays int8. Greedy decoding with it is greedy decoding of those weights."""
+    head is a RefinedHead. Greedy decoding with it is greedy decoding of those weights."""
     from quasar.models.loader import load_model
-    from quasar.quant.int8 import Int8Linear
+    from quasar.quant.refined_head import RefinedHead
     from quasar.quant.w4a8 import W4A8Linear
     from quasar.quant.w4a8_numerics import dequantize_w4, fit_weight_w4_affine
     from quasar.quant.w4a8_verifier import LAYER_LINEARS, w4a8_verifier
@@ -106,7 +106,7 @@ def test_a_gguf_kept_wider_than_4_bits_gets_fitted_4bit_layers(tmp_path, random_
     rmg.write_gguf(random_model, path, default_model_path())
     loaded = load_model(str(path))
     model = w4a8_verifier(loaded, cache=False)
-    assert isinstance(model.lm_head, Int8Linear) and model.quant_kind == "w4a8"
+    assert isinstance(model.lm_head, RefinedHead) and model.quant_kind == "w4a8"
     for i, layer in enumerate(model.model.layers):
         for name in LAYER_LINEARS:
             got = layer.get_submodule(name)

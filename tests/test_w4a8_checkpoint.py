@@ -14,6 +14,8 @@ from quasar.errors import QuasarError
 from quasar.models.loader import load_model
 from quasar.quant import ext
 from quasar.quant.int8 import Int8Linear
+from quasar.quant.refined_head import DEFAULT_TOP_K, RefinedHead
+from quasar.quant.w4a8_checkpoint import REFINED_HEAD
 from quasar.quant.w4a8 import W4A8Linear
 
 IDS = [1, 504, 3136, 282, 253, 1767, 30, 378, 2143, 314, 4704, 28]
@@ -49,12 +51,16 @@ def test_checkpoint_loads_back_bit_for_bit(built, checkpoint) -> None:
     _, model = built
     config = json.loads((checkpoint / "config.json").read_text())
     qc = config["quantization_config"]
-    assert qc["quant_method"] == "quasar-w4a8" and qc["group_size"] == 32 and qc["lm_head"] == "int8"
+    assert qc["quant_method"] == "quasar-w4a8" and qc["group_size"] == 32 and qc["lm_head"] == REFINED_HEAD
+    assert qc["head_top_k"] == DEFAULT_TOP_K
     assert config["tie_word_embeddings"] is False  # the int8 head is its own tensor
     loaded = load_model(str(checkpoint))
     assert loaded.quantized and loaded.quant_kind == "w4a8"
     back = loaded.model
-    assert back.quant_kind == "w4a8" and isinstance(back.lm_head, Int8Linear)
+    assert back.quant_kind == "w4a8" and isinstance(back.lm_head, RefinedHead)
+    for part in ("approx", "exact"):
+        for n, t in model.lm_head.get_submodule(part).state_dict().items():
+            assert torch.equal(back.lm_head.get_submodule(part).state_dict()[n], t), (part, n)
     layers = {n: m for n, m in back.named_modules() if isinstance(m, W4A8Linear)}
     assert len(layers) == sum(isinstance(m, W4A8Linear) for m in model.modules()) > 0
     one = next(iter(layers))

@@ -10,7 +10,9 @@ from quasar.errors import QuasarError
 from quasar.models.loader import load_model
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.w4a8 import W4A8Linear
-from quasar.quant.w4a8_numerics import quantize_weight_w4, reference_linear_w4a8, symmetric_as_affine
+from quasar.quant.refined_head import RefinedHead
+from quasar.quant.w4a8_numerics import (dequantize_w4, fit_weight_w4_affine, quantize_weight_w4,
+                                        reference_linear_w4a8, symmetric_as_affine)
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +26,15 @@ def default_w4a8():
 def test_the_4bit_layers_hold_the_files_own_weights(default_w4a8) -> None:
     """SmolLM2's Q4_1 file: every decoder linear is 4-bit, and dequantized it is the float
     model's weight bit for bit (Q and K rows put back in Hugging Face order); the output head,
-    Q8_0 in the file, is int8."""
+    Q8_0 in the file, is a RefinedHead: 4-bit groups fitted to it, and its int8 rounding."""
     loaded, model = default_w4a8
-    layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
+    layers = [m for m in model.model.modules() if isinstance(m, W4A8Linear)]
     assert len(layers) == 7 * loaded.config.num_layers
-    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.lm_head, RefinedHead)
+    head = loaded.model.lm_head.weight
+    assert torch.equal(model.lm_head.exact.weight, Int8Linear.from_float(loaded.model.lm_head).weight)
+    q, s, o = fit_weight_w4_affine(head[:4096], 32)
+    assert torch.equal(model.lm_head.approx.dequantized_weight()[:4096], dequantize_w4(q, s, 32, o))
     for i in (0, loaded.config.num_layers - 1):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
             got = model.model.layers[i].get_submodule(name).dequantized_weight()
@@ -59,6 +65,27 @@ def test_layer_forward_is_the_reference_and_rows_are_independent() -> None:
     assert torch.equal(y.view(6, 40), reference_linear_w4a8(x.view(6, 96), q, s, o, linear.bias, 32))
     for r in range(6):
         assert torch.equal(layer(x.view(6, 96)[r:r + 1]), y.view(6, 40)[r:r + 1])
+
+
+def test_the_refined_head_is_the_int8_heads_logits_where_the_4bit_ones_are_largest() -> None:
+    """RefinedHead: each row's logits are the 4-bit head's, except those at least its top_k-th
+    largest (ties included), which are the int8 head's bit for bit; a row alone gives the same
+    bits as in a batch; a bad top_k is a clear error."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 64, generator=gen)
+    head = RefinedHead.from_float(weight, top_k=8)
+    x = torch.randn(2, 5, 64, generator=gen)
+    y = head(x).view(10, 300)
+    approx, exact = head.approx(x.view(10, 64)), head.exact(x.view(10, 64))
+    for r in range(10):
+        refined = approx[r] >= approx[r].topk(8).values[-1]
+        assert int(refined.sum()) >= 8
+        assert torch.equal(y[r][refined], exact[r][refined]) and torch.equal(y[r][~refined], approx[r][~refined])
+        assert torch.equal(head(x.view(10, 64)[r:r + 1])[0], y[r])
+    tied = RefinedHead.from_float(torch.zeros(300, 64), top_k=8)(x.view(10, 64))  # every logit equal: all refined
+    assert torch.equal(tied, torch.zeros(10, 300))
+    with pytest.raises(QuasarError, match="top_k must be an integer in \\[1, 300\\]"):
+        RefinedHead(64, 300, top_k=0)
 
 
 def test_bad_groups_are_clear_errors() -> None:

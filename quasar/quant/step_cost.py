@@ -97,6 +97,8 @@ def weight_bytes(model: nn.Module) -> int:
 
     total = 0
     for m in model.modules():
+        if not getattr(m, "streamed", True):  # read a few rows a step (a RefinedHead's int8 head)
+            continue
         if isinstance(m, Int8Linear):
             total += m.in_features * m.out_features
         elif isinstance(m, W4A8Linear):

@@ -7,12 +7,14 @@ loader's strict state-dict load checks every tensor:
 - a 4-bit layer (``W4A8Linear``): ``NAME.qweight`` uint8 [out, in / 2] (two weights a byte,
   w4a8_numerics.pack_int4), ``NAME.scales`` and ``NAME.offsets`` float16 [out, in / group]
   (w = scale * q + offset), ``NAME.bias`` where the layer has one;
-- an 8-bit layer (``Int8Linear``: the output head; in checkpoints written before session
-  24, also a Q4_K_M file's Q6_K tensors, which are 4-bit since): ``NAME.weight`` int8
-  [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's.
+- an 8-bit layer (``Int8Linear``: a float model's output head; in checkpoints written before
+  session 24, also a Q4_K_M file's Q6_K tensors and the GGUF's head): ``NAME.weight`` int8
+  [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's;
+- a GGUF's output head (``RefinedHead``, quasar.quant.refined_head): ``lm_head.approx.*`` as a
+  4-bit layer and ``lm_head.exact.*`` as an 8-bit one, with ``head_top_k`` in the config.
 
 ``quantization_config`` is ``{"quant_method": "quasar-w4a8", "version", "group_size",
-"down_act_bits", "lm_head", "source"}``. The affine groups carry float offsets (GGUF's Q4_K
+"down_act_bits", "lm_head", "source"}`` (and ``head_top_k`` for a refined head). The affine groups carry float offsets (GGUF's Q4_K
 minimums), which compressed-tensors' integer zero points cannot hold, so the format is our
 own and vLLM does not read it; the W8A8 export stays the interop path.
 """
@@ -30,11 +32,13 @@ from quasar.models.llama import Transformer
 from quasar.quant import fused_step
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.numerics import ACT_BITS
+from quasar.quant.refined_head import RefinedHead
 from quasar.quant.w4a8 import W4A8Linear
 from quasar.quant.w4a8_numerics import GROUP_SIZES, SCALE_DTYPE
 
 QUANT_METHOD = "quasar-w4a8"
 FORMAT_VERSION = 1
+REFINED_HEAD = "w4a8-refined-int8"  # quantization_config's lm_head for a RefinedHead
 
 
 def w4a8_config(model: Transformer, info: dict) -> dict:
@@ -43,12 +47,14 @@ def w4a8_config(model: Transformer, info: dict) -> dict:
     if len(groups) != 1:
         raise QuasarError(f"a W4A8 checkpoint holds one group size; this model has {sorted(groups) or 'none'}")
     down = {m.act_bits for n, m in model.named_modules() if isinstance(m, Int8Linear) and n.endswith("mlp.down_proj")}
-    head = "int8" if isinstance(model.lm_head, Int8Linear) else "w4a8" if isinstance(model.lm_head, W4A8Linear) \
-        else "float"
-    return w4a8_config_of(model.config, groups.pop(), max(down, default=8), head, info)
+    head = model.lm_head
+    kind = "int8" if isinstance(head, Int8Linear) else "w4a8" if isinstance(head, W4A8Linear) \
+        else REFINED_HEAD if isinstance(head, RefinedHead) else "float"
+    top_k = {"head_top_k": head.top_k} if isinstance(head, RefinedHead) else {}
+    return w4a8_config_of(model.config, groups.pop(), max(down, default=8), kind, info, **top_k)
 
 
-def w4a8_config_of(cfg, group: int, down_act_bits: int, head: str, info: dict) -> dict:
+def w4a8_config_of(cfg, group: int, down_act_bits: int, head: str, info: dict, head_top_k: int | None = None) -> dict:
     """config.json of a W4A8 checkpoint of a model with config ``cfg`` (a ModelConfig): its
     config (an int8 or 4-bit head unties it) and the ``quantization_config`` of the module
     docstring, ``info`` (e.g. the source) added."""
@@ -58,6 +64,8 @@ def w4a8_config_of(cfg, group: int, down_act_bits: int, head: str, info: dict) -
     config["torch_dtype"] = "float32"
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "version": FORMAT_VERSION, "group_size": group,
                                      "down_act_bits": down_act_bits, "lm_head": head, **info}
+    if head_top_k is not None:
+        config["quantization_config"]["head_top_k"] = head_top_k
     return config
 
 
@@ -86,6 +94,13 @@ def _check_config(qc: dict) -> tuple[int, int]:
     return group, down
 
 
+def _head_top_k(qc: dict) -> int:
+    top_k = qc.get("head_top_k")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise QuasarError(f"W4A8 checkpoint: a refined lm_head needs a positive integer head_top_k, got {top_k!r}")
+    return top_k
+
+
 def _expect(tensors: dict, key: str, dtype: torch.dtype) -> None:
     t = tensors.get(key)
     if t is None:
@@ -105,11 +120,15 @@ def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) 
         if not isinstance(module, nn.Linear):
             continue
         bias = module.bias is not None
-        if f"{name}.qweight" in tensors:
+        if name == "lm_head" and "lm_head.approx.qweight" in tensors:
+            _expect(tensors, "lm_head.exact.weight", torch.int8)
+            new: nn.Module = RefinedHead(module.in_features, module.out_features, _head_top_k(quant_config),
+                                         group, device="meta")
+        elif f"{name}.qweight" in tensors:
             _expect(tensors, f"{name}.qweight", torch.uint8)
             for part in ("scales", "offsets"):
                 _expect(tensors, f"{name}.{part}", SCALE_DTYPE)
-            new: nn.Module = W4A8Linear(module.in_features, module.out_features, group, bias, device="meta")
+            new = W4A8Linear(module.in_features, module.out_features, group, bias, device="meta")
         elif f"{name}.weight_scale" in tensors:
             _expect(tensors, f"{name}.weight", torch.int8)
             new = Int8Linear(module.in_features, module.out_features, bias=bias, device="meta",

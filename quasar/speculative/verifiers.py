@@ -74,8 +74,10 @@ def model_bytes(model: Transformer) -> int:
     """Bytes of weights one forward reads: everything but the embedding table (one row of
     it is read), with a tied lm_head counted once."""
     seen, total = set(), 0
+    # modules read a few rows a step, not whole (a RefinedHead's int8 head): like the embedding
+    unread = tuple(f"{n}." for n, m in model.named_modules() if not getattr(m, "streamed", True))
     for name, t in model.state_dict().items():
-        if name.startswith("model.embed_tokens.") or t.data_ptr() in seen:
+        if name.startswith(("model.embed_tokens.", *unread)) or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
