@@ -111,10 +111,5 @@ def test_a_gguf_kept_wider_than_4_bits_gets_fitted_4bit_layers(tmp_path, random_
         for name in LAYER_LINEARS:
             got = layer.get_submodule(name)
             assert isinstance(got, W4A8Linear), (i, name)
-            w = loaded.model.model.layers[i].get_submodule(name).weight
-            assert torch.equal(got.dequantized_weight(), dequantize_w4(*_fitted(fit_weight_w4_affine(w, 32)))), (i, name)
-
-
-def _fitted(qso):
-    q, s, o = qso
-    return q, s, 32, o
+            q, s, o = fit_weight_w4_affine(loaded.model.model.layers[i].get_submodule(name).weight, 32)
+            assert torch.equal(got.dequantized_weight(), dequantize_w4(q, s, 32, o)), (i, name)

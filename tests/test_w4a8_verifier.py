@@ -82,6 +82,11 @@ def test_the_refined_head_is_the_int8_heads_logits_where_the_4bit_ones_are_large
         assert int(refined.sum()) >= 8
         assert torch.equal(y[r][refined], exact[r][refined]) and torch.equal(y[r][~refined], approx[r][~refined])
         assert torch.equal(head(x.view(10, 64)[r:r + 1])[0], y[r])
+    many = torch.randn(1100, 64, generator=gen)  # 8800+ refined pairs: recomputed in more than one chunk
+    approx, exact = head.approx(many), head.exact(many)
+    refined = approx >= approx.topk(8, dim=1).values[:, -1:]
+    assert int(refined.sum()) > 8192
+    assert torch.equal(head(many), torch.where(refined, exact, approx))
     tied = RefinedHead.from_float(torch.zeros(300, 64), top_k=8)(x.view(10, 64))  # every logit equal: all refined
     assert torch.equal(tied, torch.zeros(10, 300))
     with pytest.raises(QuasarError, match="top_k must be an integer in \\[1, 300\\]"):

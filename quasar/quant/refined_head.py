@@ -29,12 +29,15 @@ from quasar.errors import QuasarError
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.numerics import quantize_activation, quantize_weight
 from quasar.quant.w4a8 import W4A8Linear
-from quasar.quant.w4a8_numerics import fit_weight_w4_affine
+from quasar.quant.w4a8_numerics import SCALE_DTYPE, fit_weight_w4_affine, n_groups
 
 DEFAULT_TOP_K = 64
 # weights fitted at a time (the fit's float32 temporaries about 10x this many): a vocabulary-
 # sized head is never widened whole
 _FIT_ELEMENTS = 1 << 22
+# (row, token) pairs recomputed at a time: a fidelity window of 2048 rows refines 131k pairs,
+# whose int32 operands would be 1.6 GB at once at 1.5B
+_EXACT_PAIRS = 8192
 
 
 class RefinedHead(nn.Module):
@@ -53,10 +56,13 @@ class RefinedHead(nn.Module):
         """Both heads of a float weight [vocab, hidden] (memory-mapped is fine: it is read a
         block of rows at a time)."""
         out_features, in_features = weight.shape
-        head = cls(in_features, out_features, top_k, group)
+        head = cls(in_features, out_features, top_k, group, device="meta")  # both replaced below
+        q = torch.empty(out_features, in_features, dtype=torch.int8)
+        scales, offsets = (torch.empty(out_features, n_groups(in_features, group), dtype=SCALE_DTYPE)
+                           for _ in range(2))
         rows = max(1, _FIT_ELEMENTS // in_features)
-        parts = [fit_weight_w4_affine(weight[r:r + rows], group) for r in range(0, out_features, rows)]
-        q, scales, offsets = (torch.cat(p) for p in zip(*parts))
+        for r in range(0, out_features, rows):
+            q[r:r + rows], scales[r:r + rows], offsets[r:r + rows] = fit_weight_w4_affine(weight[r:r + rows], group)
         head.approx = W4A8Linear.from_groups(q, scales, offsets, group)
         q8, scale8 = quantize_weight(weight)
         head.exact.weight, head.exact.weight_scale = q8, scale8
@@ -75,8 +81,11 @@ class RefinedHead(nn.Module):
         """The int8 head's logits of token cols[i] for input row rows[i]: per-token int8
         activations, the exact integer dot product, ``(float(acc) * s_w) * s_x`` (Int8Linear)."""
         qx, sx = quantize_activation(x2)
-        acc = (self.exact.weight[cols].to(torch.int32) * qx[rows].to(torch.int32)).sum(1)
-        return (acc.to(torch.int32).float() * self.exact.weight_scale[cols, 0]) * sx[rows, 0]
+        acc = torch.empty(rows.numel(), dtype=torch.int32)
+        for i in range(0, rows.numel(), _EXACT_PAIRS):
+            r, c = rows[i:i + _EXACT_PAIRS], cols[i:i + _EXACT_PAIRS]
+            acc[i:i + _EXACT_PAIRS] = (self.exact.weight[c].to(torch.int32) * qx[r].to(torch.int32)).sum(1)
+        return (acc.float() * self.exact.weight_scale[cols, 0]) * sx[rows, 0]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, top_k={self.top_k}"
