@@ -156,7 +156,7 @@ void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64
   for (int64_t r0 = 0; r0 < M; r0 += max_rows) {  // the first pass reads the vector, later ones hit cache
     const int64_t rows = std::min(max_rows, M - r0);
     const W4Acts acts{a.q + r0 * a.ldq, a.ldq, a.sx + r0 * a.ldg, a.xs + r0 * a.ldg, a.ldg};
-    kernel(vec, K, group, acts, rows, out, prefetch);
+    kernel(vec, K, group, acts, rows, out, r0 == 0 && (prefetch || M > 1));
     for (int64_t r = 0; r < rows; ++r) {
       float* yr = y + (r0 + r) * y_stride;
       const float* o = out + r * kW4Lanes;

@@ -49,12 +49,12 @@ struct W4Acts {
 // added: out[r * 16 + i] = the epilogue's acc for row r, lane i (all 16 lanes; padding lanes
 // are 0). `vec` is the vector's packed bytes. Every kernel makes the same exact int32 sums
 // and the same float32 operations in the same order, so all give the same bits.
-// prefetch: a one-row pass asks for its bytes ahead in software (else the hardware prefetcher
-// alone streams them; see prefetch_whole_stream in int8_gemm.h).
+// prefetch: the pass asks for its bytes ahead in software (else the hardware prefetcher alone
+// streams them; see prefetch_whole_stream in int8_gemm.h).
 using W4RowsFn = void (*)(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
                           bool prefetch);
 
-constexpr int64_t kW4MaxRows = 6;  // the most rows any kernel takes per pass over a vector
+constexpr int64_t kW4MaxRows = 16;  // the most rows any kernel takes per pass over a vector
 void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
                       bool prefetch);
 void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
@@ -78,7 +78,8 @@ W4RowsFn w4_active_kernel(int64_t* max_rows);
 // the kernel's acc + bias[i] (bias null: acc) for the lanes i < `lanes` that are real outputs;
 // `bias` and `y` point at the vector's first output. The op and the fused decoder step both
 // finish vectors here, so they give the same bits.
-// prefetch: as the kernel's (only a one-row pass prefetches).
+// prefetch: whether a one-row step's pass prefetches; the first pass of a step of more rows
+// always does, later passes (the vector in cache) never.
 void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t group,
                     const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride,
                     bool prefetch);

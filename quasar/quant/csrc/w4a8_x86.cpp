@@ -11,14 +11,19 @@
 //   acc = (acc + (float(S) * sx) * scale) + xs * offset
 // Rows come R at a time (template R): a weight load and its unpacking serve all R rows, and
 // only the first pass over a vector reads it from memory (the next ones find it in L1/L2).
-// The one-row pass prefetches the stream kPrefetchBytes ahead (as gemm_avx2.cpp does):
-// these kernels spend several instructions per 64-byte line, so the out-of-order window
-// alone keeps few lines in flight. Where the hardware prefetcher streams faster alone (a
+// A pass that streams prefetches kPrefetchBytes ahead (as gemm_avx2.cpp does): these kernels
+// spend several instructions per 64-byte line, a pass of many rows dozens, so the
+// out-of-order window alone keeps few lines in flight. Steps of several rows always ask
+// (w4_vector_rows): without it a 1.5B W4A8 step of 8 rows took 2.85x a one-row step on a
+// Zen 5 (AVX512-VNNI), with it 1.35x (both with the kernel below). Where the hardware prefetcher streams faster alone (a
 // Zen 4: a 1.5B W4A8 one-row step 45 -> 27 ms on AVX2, 31 -> 28 ms on AVX512-VNNI) the
-// caller passes prefetch = false past each stream's start (prefetch_whole_stream).
+// caller passes prefetch = false to one-row passes past each stream's start
+// (prefetch_whole_stream).
 #include "w4a8_gemm.h"
 
+#include <array>
 #include <cstring>
+#include <utility>
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #include <immintrin.h>
@@ -42,7 +47,7 @@ inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const cha
 template <int R>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(
     const uint8_t* so, const W4Acts& a, int64_t g, const __m256i (&s)[R][2], __m256 (&acc)[R][2], bool pf) {
-  if (R == 1 && pf) prefetch(so + kPrefetchBytes);
+  if (pf) prefetch(so + kPrefetchBytes);
   for (int h = 0; h < 2; ++h) {
     const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 16 * h)));
     const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 32 + 16 * h)));
@@ -65,23 +70,26 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilog
 // 16, a multiple of 4, so flushes never straddle groups.
 constexpr int64_t kStepsPerFlush = 4;
 
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, int64_t group,
-                                                        const W4Acts& a, float* out, bool pf) {
+template <int R, int STEPS>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, const W4Acts& a, float* out,
+                                                        bool pf) {
+  constexpr int64_t group = 8 * STEPS, gbytes = 8 * group + 4 * kW4Lanes, steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
+  const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = vec + g * gbytes;
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
     for (int64_t s0 = 0; s0 < steps; s0 += kStepsPerFlush) {
       __m256i h16[R][2];
       for (int r = 0; r < R; ++r) h16[r][0] = h16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
       for (int64_t st = s0; st < s0 + kStepsPerFlush; ++st) {
         const uint8_t* c = p + 64 * st;
-        if (R == 1 && pf) prefetch(c + kPrefetchBytes);
+        if (pf) prefetch(c + kPrefetchBytes);
         __m256i xa[R], xb[R];
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
@@ -110,20 +118,22 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
 #define QUASAR_W4_AVX_VNNI 1
 // 256-bit vpdpbusd: u8 nibbles x s8 activations, four products summed into each int32 lane,
 // exact (no +128 shift of the activations, so no compensation term).
-template <int R>
-__attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K,
-                                                                    int64_t group, const W4Acts& a, float* out, bool pf) {
+template <int R, int STEPS>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, const W4Acts& a,
+                                                                    float* out, bool pf) {
+  constexpr int64_t group = 8 * STEPS, gbytes = 8 * group + 4 * kW4Lanes, steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
+  const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = vec + g * gbytes;
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
     for (int64_t st = 0; st < steps; ++st) {
       const uint8_t* c = p + 64 * st;
-      if (R == 1 && pf) prefetch(c + kPrefetchBytes);
+      if (pf) prefetch(c + kPrefetchBytes);
       __m256i xa[R], xb[R];
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
@@ -145,80 +155,108 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
 #endif
 
 // ------------------------------------------------------------------ AVX512-VNNI
-// One zmm per step: 16 lanes x 4 columns per vpdpbusd. The low and high nibbles go into two
-// int32 accumulators per row (two dependency chains, added exactly at the group's end).
-// Registers: 3 R accumulators + 8 others, at most 26 of 32 for R = 6.
-template <int R>
+// One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled
+// (STEPS = group / 8 is a template argument), which lets GCC keep every accumulator in a
+// register; with a run-time step count it copied them around the loop and spilled, and a
+// step of 6 rows cost 1.4x what it does now (Zen 5, in cache). Row r's low and high nibbles
+// go into one int32 accumulator (the sums are exact either way) where R >= 3; one or two
+// rows keep two, so that a one-row pass, which streams from memory, does not wait on a
+// single chain of dependent vpdpbusd. Registers: R accumulators + R float ones + 6 others;
+// past R = 13 GCC keeps some float ones in L1, which costs less than a second pass.
+template <int R, int STEPS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
-                                                                         int64_t group, const W4Acts& a,
-                                                                         float* out, bool pf) {
+                                                                         const W4Acts& a, float* out, bool pf) {
+  constexpr int64_t group = 8 * STEPS, gbytes = 8 * group + 4 * kW4Lanes;
+  constexpr bool kTwoChains = R <= 2;
   __m512 acc[R];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
+  const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = vec + g * gbytes;
     __m512i sl[R], sh[R];
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
-    for (int64_t st = 0; st < steps; ++st) {
+#pragma GCC unroll 16
+    for (int st = 0; st < STEPS; ++st) {
       const uint8_t* c = p + 64 * st;
-      if (R == 1 && pf) prefetch(c + kPrefetchBytes);
+      if (pf) prefetch(c + kPrefetchBytes);
       const __m512i w = _mm512_loadu_si512(c);
       const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
         sl[r] = _mm512_dpbusd_epi32(sl[r], lo, _mm512_set1_epi32(load_u32(x)));
-        sh[r] = _mm512_dpbusd_epi32(sh[r], hi, _mm512_set1_epi32(load_u32(x + 4)));
+        __m512i& h = kTwoChains ? sh[r] : sl[r];
+        h = _mm512_dpbusd_epi32(h, hi, _mm512_set1_epi32(load_u32(x + 4)));
       }
     }
     const uint8_t* so = p + 8 * group;
-    if (R == 1 && pf) prefetch(so + kPrefetchBytes);
+    if (pf) prefetch(so + kPrefetchBytes);
     const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
     const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + 32)));
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 sx = _mm512_set1_ps(a.sx[r * a.ldg + g]), xs = _mm512_set1_ps(a.xs[r * a.ldg + g]);
-      const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sl[r], sh[r])), sx), sc);
+      const __m512i s = kTwoChains ? _mm512_add_epi32(sl[r], sh[r]) : sl[r];
+      const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sx), sc);
       acc[r] = _mm512_add_ps(_mm512_add_ps(acc[r], t), _mm512_mul_ps(xs, of));
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kW4Lanes, acc[r]);
 }
 
-using RowsFn = void (*)(const uint8_t*, int64_t, int64_t, const W4Acts&, float*, bool);
+// A kernel for one group size (STEPS = group / 8 a template argument) and row count.
+using StepsFn = void (*)(const uint8_t*, int64_t, const W4Acts&, float*, bool);
+inline int steps_index(int64_t group) { return group == 32 ? 0 : group == 64 ? 1 : 2; }
 
 }  // namespace
 
 constexpr int64_t kAvx2Rows = 2;  // 6 R int accumulators + 2 R float ones + 7 others: spills past 2
+constexpr int64_t kAvxVnniRows = 4;  // 4 R accumulators + 6 others of 16 ymm
 
 void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
                   bool prefetch) {
-  static constexpr RowsFn kFns[kAvx2Rows] = {rows_avx2<1>, rows_avx2<2>};
-  kFns[rows - 1](vec, K, group, a, out, prefetch);
+  static constexpr StepsFn kFns[3][kAvx2Rows] = {
+      {rows_avx2<1, 4>, rows_avx2<2, 4>}, {rows_avx2<1, 8>, rows_avx2<2, 8>}, {rows_avx2<1, 16>, rows_avx2<2, 16>}};
+  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
 }
 
 void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
                       bool prefetch) {
 #ifdef QUASAR_W4_AVX_VNNI
-  static constexpr RowsFn kFns[4] = {rows_avx_vnni<1>, rows_avx_vnni<2>, rows_avx_vnni<3>, rows_avx_vnni<4>};
-  kFns[rows - 1](vec, K, group, a, out, prefetch);
+  static constexpr StepsFn kFns[3][kAvxVnniRows] = {
+      {rows_avx_vnni<1, 4>, rows_avx_vnni<2, 4>, rows_avx_vnni<3, 4>, rows_avx_vnni<4, 4>},
+      {rows_avx_vnni<1, 8>, rows_avx_vnni<2, 8>, rows_avx_vnni<3, 8>, rows_avx_vnni<4, 8>},
+      {rows_avx_vnni<1, 16>, rows_avx_vnni<2, 16>, rows_avx_vnni<3, 16>, rows_avx_vnni<4, 16>}};
+  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
 #else
   (void)vec, (void)K, (void)group, (void)a, (void)rows, (void)out, (void)prefetch;
   __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
 #endif
 }
 
+// kernels for R = 1 .. kW4MaxRows rows at one number of steps a group
+template <int STEPS, int... R>
+constexpr std::array<StepsFn, sizeof...(R)> avx512_rows(std::integer_sequence<int, R...>) {
+  return {rows_avx512<R + 1, STEPS>...};
+}
+
 void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
                          bool prefetch) {
-  static constexpr RowsFn kFns[kW4MaxRows] = {rows_avx512<1>, rows_avx512<2>, rows_avx512<3>,
-                                              rows_avx512<4>, rows_avx512<5>, rows_avx512<6>};
-  kFns[rows - 1](vec, K, group, a, out, prefetch);
+  using Rows = std::make_integer_sequence<int, kW4MaxRows>;
+  static constexpr std::array<StepsFn, kW4MaxRows> kFns[3] = {avx512_rows<4>(Rows{}), avx512_rows<8>(Rows{}),
+                                                               avx512_rows<16>(Rows{})};
+  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
 }
 
 int64_t w4_max_rows(KernelPath path) {
   switch (path) {
     case KernelPath::kAmx:
     case KernelPath::kAvx512Vnni: return kW4MaxRows;
-    case KernelPath::kAvxVnni: return 4;  // 4 R accumulators + 6 others of 16 ymm
+    case KernelPath::kAvxVnni: return kAvxVnniRows;
     case KernelPath::kAvx2: return kAvx2Rows;
     case KernelPath::kPortable: return kW4MaxRows;
   }
