@@ -1,13 +1,14 @@
 """Drafter configurations against each other, interleaved in one process, on bench prompts.
 
-    python scripts/compare_drafters.py --configs "chain;tree:15;tree:8" [--model M]
+    python scripts/compare_drafters.py --configs "chain;tree:15;tree:8" [--model M] [--verifier w8a8|w4a8]
         [--tasks code,qa] [--n 4] [--rounds 2] [--max-new-tokens 128]
 
 A config is `chain` (the n-gram chain, adaptive k), `chain:K` (its first draft length) or
 `tree:N` (tree drafts of at most N nodes), optionally `@COST` to price a row at COST of a
 one-row step instead of the verifier's own `row_cost` (what trees keep nodes by). Every
-config decodes every prompt greedily with the W8A8 verifier, one after another, round by
-round, so drifting machine load hits them alike; each prompt's fastest round counts. Tree
+config decodes every prompt greedily with the same verifier (W8A8, or W4A8 with --verifier
+w4a8), one after another, round by round, so drifting machine load hits them alike; each
+prompt's fastest round counts. Tree
 configs keep their own recycling table across prompts, and every run of a prompt starts
 from that table as it was before the prompt's first run, as `quasar bench` does: a prompt
 never drafts from its own earlier decode. Greedy decoding is exact, so every config must
@@ -28,9 +29,6 @@ from quasar.bench.runner import BenchConfig, load_prompts
 from quasar.bench.tasks import TASKS
 from quasar.errors import QuasarError
 from quasar.speculative.tree_drafter import RecyclingTable
-
-VERIFIER = "w8a8"
-
 
 @dataclass(frozen=True)
 class Config:
@@ -88,10 +86,10 @@ class Outcome:
 
 
 def compare(llm: LLM, configs: list[Config], tasks: list[str], n: int, rounds: int,
-            max_new_tokens: int) -> Outcome:
+            max_new_tokens: int, verifier: str = "w8a8") -> Outcome:
     prompts, _ = load_prompts(BenchConfig(tasks=tasks, n=n, max_new_tokens=max_new_tokens), llm)
-    model = llm.verifier_model(VERIFIER)
-    table = llm.recycling_table(VERIFIER)
+    model = llm.verifier_model(verifier)
+    table = llm.recycling_table(verifier)
     own_cost = model.row_cost
     tables = {c: RecyclingTable() for c in configs}  # each config's table after its last run
     before: dict[tuple[Config, int], RecyclingTable] = {}  # the table before a prompt's first run
@@ -103,7 +101,7 @@ def compare(llm: LLM, configs: list[Config], tasks: list[str], n: int, rounds: i
         size = {"num_draft": c.size} if c.drafter == "ngram" else {"draft_budget": c.size}
         try:
             res = llm.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0, drafter=c.drafter,
-                               verifier=VERIFIER, **{k: v for k, v in size.items() if v is not None})
+                               verifier=verifier, **{k: v for k, v in size.items() if v is not None})
         finally:
             model.row_cost = own_cost
         tables[c] = table.copy()
@@ -111,7 +109,7 @@ def compare(llm: LLM, configs: list[Config], tasks: list[str], n: int, rounds: i
 
     for c in configs:  # warm every code path once, outside the measurement and the tables
         llm.generate(prompt_ids=prompts[0].ids[:16], max_new_tokens=4, temperature=0.0, drafter=c.drafter,
-                     verifier=VERIFIER)
+                     verifier=verifier)
     table.restore(RecyclingTable())
     for _ in range(rounds):
         for i, p in enumerate(prompts):
@@ -148,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--configs", default="chain;tree", help='";"-separated configs (see above)')
+    ap.add_argument("--verifier", choices=("w8a8", "w4a8"), default="w8a8")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--n", type=int, default=4, help="prompts per task")
     ap.add_argument("--rounds", type=int, default=2)
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         llm = LLM(args.model, max_context=4096, max_batch=1)
         out = compare(llm, configs, [t.strip() for t in args.tasks.split(",")], args.n, args.rounds,
-                      args.max_new_tokens)
+                      args.max_new_tokens, args.verifier)
     except QuasarError as e:
         print(f"compare_drafters: {e}", file=sys.stderr)
         return 2

@@ -37,12 +37,13 @@ def test_main_rejects_bad_options(capsys):
 
 
 @pytest.mark.slow
-def test_configs_agree_and_rounds_repeat():
+@pytest.mark.parametrize("verifier", ["w8a8", "w4a8"])
+def test_configs_agree_and_rounds_repeat(verifier):
     from quasar.api import LLM
 
     llm = LLM("default", max_context=2048, max_batch=1)
     configs = [cd.parse_config(c) for c in ("chain", "tree:6", "tree:6@0.5")]
-    out = cd.compare(llm, configs, ["code", "summarization"], n=1, rounds=2, max_new_tokens=24)
+    out = cd.compare(llm, configs, ["code", "summarization"], n=1, rounds=2, max_new_tokens=24, verifier=verifier)
     assert out.same_output
     assert set(out.overall) == {"chain", "tree:6", "tree:6@0.5"}
     tokens = {t.tokens for t in out.overall.values()}
