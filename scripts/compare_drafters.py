@@ -8,12 +8,11 @@ A config is `chain` (the n-gram chain, adaptive k), `chain:K` (its first draft l
 one-row step instead of the verifier's own `row_cost` (what trees keep nodes by). Every
 config decodes every prompt greedily with the same verifier (W8A8, or W4A8 with --verifier
 w4a8), one after another, round by round, so drifting machine load hits them alike; each
-prompt's fastest round counts. Tree
-configs keep their own recycling table across prompts, and every run of a prompt starts
-from that table as it was before the prompt's first run, as `quasar bench` does: a prompt
-never drafts from its own earlier decode. Greedy decoding is exact, so every config must
-emit the same tokens for a prompt; the script checks that. Small differences (a few %) need
-several rounds and prompts: two cores are noisy.
+prompt's fastest round counts. Tree configs keep their own recycling table across prompts,
+and every run of a prompt starts from that table as it was before the prompt's first run,
+as `quasar bench` does: a prompt never drafts from its own earlier decode. Greedy decoding
+is exact, so every config must emit the same tokens for a prompt; the script checks that.
+Small differences (a few %) need several rounds and prompts: two cores are noisy.
 """
 
 from __future__ import annotations

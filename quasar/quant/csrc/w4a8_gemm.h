@@ -28,7 +28,7 @@ namespace quasar {
 
 constexpr int64_t kW4Lanes = 16;
 // Bytes of one group of one vector: the nibbles (16 lanes x group / 2), 16 scales, 16 offsets.
-inline int64_t w4_group_bytes(int64_t group) { return 8 * group + 2 * 2 * kW4Lanes; }
+constexpr int64_t w4_group_bytes(int64_t group) { return 8 * group + 2 * 2 * kW4Lanes; }
 
 inline int64_t w4_vector_bytes(int64_t k, int64_t group) { return k / group * w4_group_bytes(group); }
 inline int64_t w4_packed_bytes(int64_t n, int64_t k, int64_t group) {

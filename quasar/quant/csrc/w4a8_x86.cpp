@@ -15,10 +15,10 @@
 // spend several instructions per 64-byte line, a pass of many rows dozens, so the
 // out-of-order window alone keeps few lines in flight. Steps of several rows always ask
 // (w4_vector_rows): without it a 1.5B W4A8 step of 8 rows took 2.85x a one-row step on a
-// Zen 5 (AVX512-VNNI), with it 1.35x (both with the kernel below). Where the hardware prefetcher streams faster alone (a
-// Zen 4: a 1.5B W4A8 one-row step 45 -> 27 ms on AVX2, 31 -> 28 ms on AVX512-VNNI) the
-// caller passes prefetch = false to one-row passes past each stream's start
-// (prefetch_whole_stream).
+// Zen 5 (AVX512-VNNI), with it 1.35x (both with the kernel below). Where the hardware
+// prefetcher streams faster alone (a Zen 4: a 1.5B W4A8 one-row step 45 -> 27 ms on AVX2,
+// 31 -> 28 ms on AVX512-VNNI) the caller passes prefetch = false to one-row passes past each
+// stream's start (prefetch_whole_stream).
 #include "w4a8_gemm.h"
 
 #include <array>
@@ -73,7 +73,7 @@ constexpr int64_t kStepsPerFlush = 4;
 template <int R, int STEPS>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, const W4Acts& a, float* out,
                                                         bool pf) {
-  constexpr int64_t group = 8 * STEPS, gbytes = 8 * group + 4 * kW4Lanes, steps = STEPS;
+  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group), steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -121,7 +121,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
 template <int R, int STEPS>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, const W4Acts& a,
                                                                     float* out, bool pf) {
-  constexpr int64_t group = 8 * STEPS, gbytes = 8 * group + 4 * kW4Lanes, steps = STEPS;
+  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group), steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -166,7 +166,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
 template <int R, int STEPS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
                                                                          const W4Acts& a, float* out, bool pf) {
-  constexpr int64_t group = 8 * STEPS, gbytes = 8 * group + 4 * kW4Lanes;
+  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group);
   constexpr bool kTwoChains = R <= 2;
   __m512 acc[R];
 #pragma GCC unroll 16
