@@ -93,6 +93,40 @@ def test_the_refined_head_is_the_int8_heads_logits_where_the_4bit_ones_are_large
         RefinedHead(64, 300, top_k=0)
 
 
+@pytest.mark.parametrize("path", ["avx512-vnni", "portable"])
+def test_the_refine_op_gives_the_torch_paths_bits(path) -> None:
+    """The C++ refinement (csrc/refined_head.cpp) against RefinedHead's torch path, bit for bit:
+    random logits, many ties, -0.0, rows holding fewer and more NaNs than top_k, one row and
+    many; on the AVX512 scan and the plain one."""
+    from quasar.quant import ext
+
+    if ext.refine_head_rows_op() is None:
+        pytest.skip("no C++ op (QUASAR_NO_EXT or no toolchain)")
+    if not ext.cpu_runs(path):
+        pytest.skip(f"this CPU does not run the {path} kernel path")
+    gen = torch.Generator().manual_seed(5)
+    head = RefinedHead.from_float(torch.randn(1000, 64, generator=gen), top_k=16)
+    with ext.forced_kernel_path(path):
+        for trial in range(40):
+            rows = 1 if trial % 4 == 0 else int(torch.randint(2, 12, (1,), generator=gen))
+            x2 = torch.randn(rows, 64, generator=gen)
+            y = torch.randn(rows, 1000, generator=gen)
+            if trial % 3 == 0:
+                y = torch.randint(-4, 5, (rows, 1000), generator=gen).float()  # ties at the threshold
+                y[y == 0] = -0.0
+            if trial % 5 == 0:
+                y[0, torch.randint(0, 1000, (3,), generator=gen)] = float("nan")  # fewer NaNs than top_k
+                y[-1, torch.randint(0, 1000, (40,), generator=gen)] = float("nan")  # more: nothing refined
+            want = head.refine(y.clone(), x2, use_op=False)
+            got = head.refine(y.clone(), x2)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (path, trial)
+            if rows > 1 or trial % 5:  # (a lone row of 43 NaNs refines nothing)
+                assert not torch.equal(got.view(torch.int32), y.view(torch.int32))
+    with pytest.raises(RuntimeError, match="top_k must be"):
+        ext.refine_head_rows_op()(torch.zeros(1, 10), torch.zeros(1, 64, dtype=torch.int8), torch.ones(1, 1),
+                                  torch.zeros(10, 64, dtype=torch.int8), torch.ones(10, 1), 11)
+
+
 def test_bad_groups_are_clear_errors() -> None:
     with pytest.raises(QuasarError, match="group size"):
         W4A8Linear(64, 8, group=48)

@@ -84,6 +84,7 @@ __all__ = [
     "info",
     "decoder_layer_op",
     "row_argmax_topk_op",
+    "refine_head_rows_op",
     "int8_linear_op",
     "parallel_threads",
     "pack_tiles",
@@ -115,15 +116,16 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # digest covers every file listed.
 # cpu_features: the kernel path; int8_linear + gemm_*: the int8 GEMMs per path; decoder_layer:
 # the fused step's orchestration, step_*: its float kernels per path, attention_*: attention
-# over a bfloat16 cache; row_select: per-row argmax / top-k; w4a8_*: the W4A8 GEMM (issue #34);
+# over a bfloat16 cache; row_select: per-row argmax / top-k (row_topk.h); refined_head: the
+# refined head's int8 logits of each row's top-k; w4a8_*: the W4A8 GEMM (issue #34);
 # step_linears: the fused step's linears (Int8Linear and W4A8Linear in any mix).
 SOURCES = tuple(CSRC / f for f in (
     "cpu_features.cpp", f"{NAME}.cpp", "gemm_avx2.cpp", "gemm_portable.cpp", "decoder_layer.cpp", "step_avx512.cpp",
     "step_avx2.cpp", "step_portable.cpp", "attention_bf16.cpp", "attention_amx.cpp", "row_select.cpp",
-    "w4a8_gemm.cpp", "w4a8_x86.cpp", "step_linears.cpp"))
+    "refined_head.cpp", "w4a8_gemm.cpp", "w4a8_x86.cpp", "step_linears.cpp"))
 HEADERS = tuple(CSRC / f for f in ("cpu_features.h", "int8_gemm.h", "step_kernels.h", "step_vec8.inc", "head_dim.h",
                                    "simd_avx512.h", "attention.h", "w4a8_gemm.h", "activation_quant.h",
-                                   "step_linears.h"))
+                                   "step_linears.h", "row_topk.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for
@@ -299,6 +301,16 @@ def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | N
     top-k ids [R, k]): torch.argmax's choice per row and the k largest, in one pass;
     None without the op."""
     return torch.ops.quasar_quant.row_argmax_topk if int8_linear_op() is not None else None
+
+
+REFINE_MAX_TOP_K = 64  # the most logits a row the op refines (csrc/row_topk.h: kMaxTopK)
+
+
+def refine_head_rows_op() -> Callable[..., None] | None:
+    """``torch.ops.quasar_quant.refine_head_rows`` (logits [R, V] float32, changed in place, qx
+    int8 [R, K], sx [R, 1], the int8 head's weight [V, K] and weight_scale [V, 1], top_k <= 64):
+    RefinedHead's refinement bit for bit (csrc/refined_head.cpp); None without the op."""
+    return torch.ops.quasar_quant.refine_head_rows if int8_linear_op() is not None else None
 
 
 def amx_attention_supported() -> bool:

@@ -10,6 +10,7 @@
 // values in index order, NaNs never chosen; k <= 64.
 
 #include "cpu_features.h"
+#include "row_topk.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,7 +31,8 @@
 
 namespace {
 
-constexpr int64_t kMaxTopK = 64;
+using quasar::kMaxTopK;
+using quasar::TopK;
 
 // The first index of the row's maximum (torch.argmax's rule, NaN included).
 int64_t argmax_scalar(const float* r, int64_t n) {
@@ -72,60 +74,6 @@ QUASAR_AVX512_SELECT int64_t argmax_avx512(const float* r, int64_t n) {
 }
 #endif
 
-// The k largest (value, index) of a row, best first; ties in index order, NaNs skipped.
-// A sorted list of k; 16 values at a time are compared with its smallest first, so most of
-// the row costs one compare per 16.
-struct TopK {
-  int64_t k, size = 0;
-  float val[kMaxTopK];
-  int64_t idx[kMaxTopK];
-
-  void offer(float v, int64_t i) {  // indices arrive in increasing order
-    if (size == k && !(v > val[k - 1])) return;
-    int64_t at = size < k ? size++ : k - 1;
-    while (at > 0 && v > val[at - 1]) {
-      val[at] = val[at - 1], idx[at] = idx[at - 1];
-      --at;
-    }
-    val[at] = v, idx[at] = i;
-  }
-  float floor() const { return size == k ? val[k - 1] : -std::numeric_limits<float>::infinity(); }
-};
-
-void topk_scalar(const float* r, int64_t n, TopK& t) {
-  for (int64_t i = 0; i < n; ++i)
-    if (r[i] == r[i]) t.offer(r[i], i);
-}
-
-#ifdef QUASAR_SELECT_AVX512
-QUASAR_AVX512_SELECT void topk_avx512(const float* r, int64_t n, TopK& t) {
-  const int64_t n16 = n / 16 * 16;
-  for (int64_t i = 0; i < n16; i += 16) {
-    const __m512 v = _mm512_loadu_ps(r + i);
-    // A full list takes only values above its smallest; until then every non-NaN value.
-    __mmask16 take = t.size == t.k ? _mm512_cmp_ps_mask(v, _mm512_set1_ps(t.floor()), _CMP_GT_OQ)
-                                   : _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
-    while (take) {
-      const int j = __builtin_ctz(take);
-      take &= take - 1;
-      t.offer(r[i + j], i + j);
-    }
-  }
-  for (int64_t i = n16; i < n; ++i)
-    if (r[i] == r[i]) t.offer(r[i], i);
-}
-#endif
-
-// On the AVX512 kernel paths (cpu_features.h: a forced lower path keeps the plain loop,
-// which picks the same tokens).
-bool avx512() {
-#ifdef QUASAR_SELECT_AVX512
-  return quasar::path_at_least(quasar::KernelPath::kAvx512Vnni);
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 // logits [R, V] float32 -> (argmax [R] int64, top-k ids [R, k] int64, best first; [R, 0] for
@@ -142,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int
   const float* xs = x.data_ptr<float>();
   int64_t* bs = best.data_ptr<int64_t>();
   int64_t* ts = top.data_ptr<int64_t>();
-  const bool wide = avx512();
+  const bool wide = quasar::topk_avx512_active();
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xs + r * V;
@@ -154,14 +102,7 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int
       if (k == 0) continue;
       TopK t;
       t.k = k;
-#ifdef QUASAR_SELECT_AVX512
-      if (wide)
-        topk_avx512(row, V, t);
-      else
-        topk_scalar(row, V, t);
-#else
-      topk_scalar(row, V, t);
-#endif
+      quasar::topk_scan(row, V, t, wide);
       for (int64_t j = 0; j < k; ++j) ts[r * k + j] = j < t.size ? t.idx[j] : bs[r];  // all-NaN rows
     }
   });
