@@ -158,16 +158,19 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
 // One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled
 // (STEPS = group / 8 is a template argument), which lets GCC keep every accumulator in a
 // register; with a run-time step count it copied them around the loop and spilled, and a
-// step of 6 rows cost 1.4x what it does now (Zen 5, in cache). Row r's low and high nibbles
-// go into one int32 accumulator (the sums are exact either way) where R >= 3; one or two
-// rows keep two, so that a one-row pass, which streams from memory, does not wait on a
-// single chain of dependent vpdpbusd. Registers: R accumulators + R float ones + 6 others;
-// past R = 13 GCC keeps some float ones in L1, which costs less than a second pass.
+// step of 6 rows cost 1.4x what it does now (Zen 5, in cache). Up to 8 rows, row r's low and
+// high nibbles go into two int32 accumulators, added before the epilogue (integer sums, so
+// the same bits): one chain would put two dependent vpdpbusd on it every step, and a pass of
+// a few rows waited on those chains (in cache on a Zen 5, 4-6 rows of a 1.5B gate/up or down
+// projection took 4-5% longer with one). From 9 rows there are chains enough, and one
+// accumulator a row leaves the registers for the rows. Registers: 2R (R <= 8) or R int32
+// accumulators + R float ones + 6 others; past R = 13 GCC keeps some float ones in L1, which
+// costs less than a second pass.
 template <int R, int STEPS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
                                                                          const W4Acts& a, float* out, bool pf) {
   constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group);
-  constexpr bool kTwoChains = R <= 2;
+  constexpr bool kTwoChains = R <= 8;
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
