@@ -20,13 +20,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
 namespace {
 
-// Exact: |acc| <= K * 127 * 128, far below 2^31 for any hidden size a model has.
+// Exact: both operands are in [-127, 127], so |acc| <= K * 127^2, far below 2^31 for any hidden
+// size a model has.
 int32_t dot_i8(const int8_t* a, const int8_t* b, int64_t n) {
   int32_t acc = 0;
   for (int64_t i = 0; i < n; ++i) acc += static_cast<int32_t>(a[i]) * static_cast<int32_t>(b[i]);

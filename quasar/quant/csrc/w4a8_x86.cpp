@@ -11,7 +11,7 @@
 //   acc = (acc + (float(S) * sx) * scale) + xs * offset
 // Rows come R at a time (template R): a weight load and its unpacking serve all R rows, and
 // only the first pass over a vector reads it from memory (the next ones find it in L1/L2).
-// A pass that streams prefetches kPrefetchBytes ahead (as gemm_avx2.cpp does): these kernels
+// A pass that streams prefetches kPrefetchBytes ahead (as gemm_avx2.cpp does, nearer): these kernels
 // spend several instructions per 64-byte line, a pass of many rows dozens, so the
 // out-of-order window alone keeps few lines in flight. Steps of several rows always ask
 // (w4_vector_rows): without it a 1.5B W4A8 step of 8 rows took 2.85x a one-row step on a
@@ -31,7 +31,11 @@
 namespace quasar {
 namespace {
 
-constexpr int64_t kPrefetchBytes = 4096;
+// 32 KB: a 1.5B W4A8 step on a Zen 5 (2 threads, in one process, distances interleaved) took
+// 17.8 / 24.4 ms for 1 / 6 rows at 4 KB, 16.7 / 20.2 at 32 KB, no less at 64-128 KB; forced
+// AVX2, 2 rows 19.3 -> 17.0 ms. Lines a pass asks for past its part of a weight (32 KB a
+// thread and linear) are wasted reads, ~1% of a step's.
+constexpr int64_t kPrefetchBytes = 32 << 10;
 
 inline int32_t load_u32(const int8_t* p) {
   int32_t v;
