@@ -296,14 +296,14 @@ def bf16_kv_supported() -> bool:
     return small_m_supported() and bool(torch.ops.quasar_quant.w8a8_bf16_supported())
 
 
+MAX_ROW_TOP_K = 64  # the largest k of row_argmax_topk and refine_head_rows (csrc/row_topk.h: kMaxTopK)
+
+
 def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """``torch.ops.quasar_quant.row_argmax_topk`` (logits [R, V] float32, k) -> (argmax [R],
     top-k ids [R, k]): torch.argmax's choice per row and the k largest, in one pass;
     None without the op."""
     return torch.ops.quasar_quant.row_argmax_topk if int8_linear_op() is not None else None
-
-
-REFINE_MAX_TOP_K = 64  # the most logits a row the op refines (csrc/row_topk.h: kMaxTopK)
 
 
 def refine_head_rows_op() -> Callable[..., None] | None:

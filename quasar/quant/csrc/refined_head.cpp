@@ -44,7 +44,7 @@ float kth_largest(const float* row, int64_t n, int64_t k, bool wide) {
   return nans >= k ? std::numeric_limits<float>::quiet_NaN() : t.val[k - nans - 1];
 }
 
-#ifdef QUASAR_TOPK_AVX512
+#ifdef QUASAR_ROW_AVX512
 // The AVX512 compare pass over the row's whole blocks of 16; returns where it stopped.
 template <typename Refine>
 __attribute__((target("avx512f"))) int64_t each_at_least_avx512(const float* row, int64_t n, float kth,
@@ -62,7 +62,7 @@ __attribute__((target("avx512f"))) int64_t each_at_least_avx512(const float* row
 template <typename Refine>
 void each_at_least(float* row, int64_t n, float kth, bool wide, Refine refine) {
   int64_t i = 0;
-#ifdef QUASAR_TOPK_AVX512
+#ifdef QUASAR_ROW_AVX512
   if (wide) i = each_at_least_avx512(row, n, kth, refine);
 #endif
   (void)wide;
@@ -99,7 +99,7 @@ void refine_head_rows(at::Tensor logits, const at::Tensor& qx, const at::Tensor&
   const float* sxs = sx.data_ptr<float>();
   const int8_t* ws = weight.data_ptr<int8_t>();
   const float* wss = weight_scale.data_ptr<float>();
-  const bool wide = quasar::topk_avx512_active();
+  const bool wide = quasar::row_avx512_active();
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = ys + r * V;

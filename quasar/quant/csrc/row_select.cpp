@@ -23,12 +23,6 @@
 #include <limits>
 #include <tuple>
 
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-#define QUASAR_SELECT_AVX512 1
-#include <immintrin.h>
-#define QUASAR_AVX512_SELECT __attribute__((target("avx512f")))
-#endif
-
 namespace {
 
 using quasar::kMaxTopK;
@@ -46,8 +40,8 @@ int64_t argmax_scalar(const float* r, int64_t n) {
   return best;
 }
 
-#ifdef QUASAR_SELECT_AVX512
-QUASAR_AVX512_SELECT int64_t argmax_avx512(const float* r, int64_t n) {
+#ifdef QUASAR_ROW_AVX512
+__attribute__((target("avx512f"))) int64_t argmax_avx512(const float* r, int64_t n) {
   // Pass 1: the maximum, and whether any NaN is present; pass 2: its first index.
   const int64_t n16 = n / 16 * 16;
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -90,11 +84,11 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int
   const float* xs = x.data_ptr<float>();
   int64_t* bs = best.data_ptr<int64_t>();
   int64_t* ts = top.data_ptr<int64_t>();
-  const bool wide = quasar::topk_avx512_active();
+  const bool wide = quasar::row_avx512_active();
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xs + r * V;
-#ifdef QUASAR_SELECT_AVX512
+#ifdef QUASAR_ROW_AVX512
       bs[r] = wide ? argmax_avx512(row, V) : argmax_scalar(row, V);
 #else
       bs[r] = argmax_scalar(row, V);

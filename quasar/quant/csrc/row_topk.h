@@ -8,7 +8,7 @@
 #include "cpu_features.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-#define QUASAR_TOPK_AVX512 1
+#define QUASAR_ROW_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -47,7 +47,7 @@ inline void topk_scalar(const float* r, int64_t n, TopK& t, int64_t* nans = null
   if (nans) *nans = skipped;
 }
 
-#ifdef QUASAR_TOPK_AVX512
+#ifdef QUASAR_ROW_AVX512
 __attribute__((target("avx512f"))) inline void topk_avx512(const float* r, int64_t n, TopK& t,
                                                            int64_t* nans = nullptr) {
   const int64_t n16 = n / 16 * 16;
@@ -73,10 +73,11 @@ __attribute__((target("avx512f"))) inline void topk_avx512(const float* r, int64
 }
 #endif
 
-// Whether the AVX512 scans run: on the AVX512 kernel paths only (cpu_features.h), so a forced
-// lower path runs the plain loops, which give the same answers.
-inline bool topk_avx512_active() {
-#ifdef QUASAR_TOPK_AVX512
+// Whether the AVX512 row scans (these, and row_select.cpp's argmax) run: on the AVX512 kernel
+// paths only (cpu_features.h), so a forced lower path runs the plain loops, which give the same
+// answers.
+inline bool row_avx512_active() {
+#ifdef QUASAR_ROW_AVX512
   return path_at_least(KernelPath::kAvx512Vnni);
 #else
   return false;
@@ -86,7 +87,7 @@ inline bool topk_avx512_active() {
 // The k largest of row r[0, n) into t (t.k set, t empty), by the AVX512 scan when `wide`;
 // nans (optional): set to the number of NaNs in the row.
 inline void topk_scan(const float* r, int64_t n, TopK& t, bool wide, int64_t* nans = nullptr) {
-#ifdef QUASAR_TOPK_AVX512
+#ifdef QUASAR_ROW_AVX512
   if (wide) return topk_avx512(r, n, t, nans);
 #endif
   (void)wide;

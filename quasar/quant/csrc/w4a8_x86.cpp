@@ -11,8 +11,8 @@
 //   acc = (acc + (float(S) * sx) * scale) + xs * offset
 // Rows come R at a time (template R): a weight load and its unpacking serve all R rows, and
 // only the first pass over a vector reads it from memory (the next ones find it in L1/L2).
-// A pass that streams prefetches kPrefetchBytes ahead (as gemm_avx2.cpp does, nearer): these kernels
-// spend several instructions per 64-byte line, a pass of many rows dozens, so the
+// A pass that streams prefetches kPrefetchBytes ahead (gemm_avx2.cpp too, 4 KB ahead): these
+// kernels spend several instructions per 64-byte line, a pass of many rows dozens, so the
 // out-of-order window alone keeps few lines in flight. Steps of several rows always ask
 // (w4_vector_rows): without it a 1.5B W4A8 step of 8 rows took 2.85x a one-row step on a
 // Zen 5 (AVX512-VNNI), with it 1.35x (both with the kernel below). Where the hardware
