@@ -497,8 +497,8 @@ def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
 def test_small_m_threads_may_share_a_tile(small_m, threads: int) -> None:
     """Threads split a GEMM by vectors of 16 outputs, so two may share a 64-row weight tile
     (37 vectors over 2 threads: 18 / 19); every output is still bitwise the reference's,
-    VNNI and AMX alike (1..20 rows, two blocks of rows past 16). The rows past the first fetch
-    the thread's next tile ahead (AVX2), and one-row passes past each thread's first 64 KiB
+    VNNI and AMX alike (1..20 rows, two blocks of rows past 16). Several rows fetch the
+    thread's next tile ahead (AVX2, AVX-VNNI), and one-row passes past each thread's first 64 KiB
     may leave the stream to the hardware prefetcher (prefetch_whole_stream(False)): no bit
     changes either way."""
     from quasar.quant import ext

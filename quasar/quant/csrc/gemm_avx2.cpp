@@ -42,18 +42,48 @@ namespace {
 // 45 ms with them throughout (StreamAhead::prefetch_stream; the step-cost probe picks).
 constexpr int64_t kPrefetchBytes = 4096;
 
+// Several rows: the tile a block of kBlockGroups groups (16 KiB of a full tile, in L1) at a
+// time, every row's passes over a block before the next block, while the lines
+// kBlockAheadBytes further on are prefetched a few a group, spread over all of the block's
+// passes, so memory keeps streaming at its pace while the cores multiply. It replaced a first
+// row streaming the whole tile and the other rows passing over it in L2, which fetched the
+// next tile meanwhile: there the stream waited whenever the arithmetic ran. A 1.5B W8A8 step
+// of 2 / 4 / 8 rows on a Zen 5 forced to AVX-VNNI took 1.46x / 1.66x / 2.24x a one-row step,
+// now 1.19x / 1.29x / 2.08x; forced to AVX2, whose rows are arithmetic-bound (~0.3 of a step
+// each), 1.19x / 1.48x / 2.55x went to 1.12x / 1.40x / 2.50x (the two ways switched in one
+// process between rounds; the same bits). 32-128 groups, and 16-64 KiB ahead, were within
+// noise of these.
+constexpr int64_t kBlockGroups = 64;
+constexpr int64_t kBlockAheadBytes = 16 << 10;
+
 // The stream's next lines, asked for at `rate` lines (in 1/65536ths) per group of the passes
-// that compute on a tile already in cache (see StreamAhead), spread evenly over them; the
-// state carries over from pass to pass.
+// that compute on bytes already in cache, spread evenly over them; the state carries over
+// from pass to pass. Its lines are `left` from p, then `then_left` from then_p (the thread's
+// next tile, which need not follow this one in memory).
 struct Ahead {
   const char* p = nullptr;
   int64_t left = 0, rate = 0, due = 0;
+  const char* then_p = nullptr;
+  int64_t then_left = 0;
 };
 
 inline void ahead_line(Ahead& a) {
-  a.due += a.rate;
-  for (; a.due >= 65536 && a.left > 0; a.due -= 65536, --a.left, a.p += 64) _mm_prefetch(a.p, _MM_HINT_T1);
+  for (a.due += a.rate; a.due >= 65536; a.due -= 65536) {
+    if (a.left == 0) {
+      if (a.then_left == 0) return;
+      a.p = a.then_p, a.left = a.then_left, a.then_left = 0;
+    }
+    _mm_prefetch(a.p, _MM_HINT_T1);
+    a.p += 64, --a.left;
+  }
 }
+
+// The groups [g0, g1) of a tile a pass multiplies (4 columns of K each); add: onto the sums in
+// acc (an earlier block's), else from zero.
+struct Span {
+  int64_t g0, g1;
+  bool add;
+};
 
 inline int32_t load_u32(const uint8_t* p) {
   int32_t v;
@@ -64,15 +94,17 @@ inline int32_t load_u32(const uint8_t* p) {
 // R rows x NV vectors of one tile; 2 * R * NV accumulators + 2 R broadcasts + 3 temporaries
 // fit AVX2's 16 ymm registers for (R, NV) in (1, 1..4), (2, 1..2).
 template <int R, int NV, bool kSymmetric>
-__attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t,
+__attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx, const Span& span, const int8_t* t,
                                                    int64_t group_bytes, int32_t* acc, Ahead* ahead) {
   __m256i a[R][NV][2];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v][0] = a[r][v][1] = _mm256_setzero_si256();
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h)
+        a[r][v][h] = span.add ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * kTile + v * 16 + h * 8))
+                              : _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const int64_t groups = (K + 3) / 4;
   Ahead ah = ahead ? *ahead : Ahead{};
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = span.g0; g < span.g1; ++g) {
     const int8_t* p = t + g * group_bytes;
     if (!ahead)  // a streaming pass that prefetches: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
@@ -108,15 +140,17 @@ __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx
 #if __GNUC__ >= 11 || defined(__clang__)
 #define QUASAR_AVX_VNNI_KERNEL 1
 template <int R, int NV>
-__attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int64_t ldx, int64_t K,
+__attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int64_t ldx, const Span& span,
                                                            const int8_t* t, int64_t group_bytes, int32_t* acc,
                                                            Ahead* ahead) {
   __m256i a[R][NV][2];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v][0] = a[r][v][1] = _mm256_setzero_si256();
-  const int64_t groups = (K + 3) / 4;
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h)
+        a[r][v][h] = span.add ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * kTile + v * 16 + h * 8))
+                              : _mm256_setzero_si256();
   Ahead ah = ahead ? *ahead : Ahead{};
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = span.g0; g < span.g1; ++g) {
     const int8_t* p = t + g * group_bytes;
     if (!ahead)  // a streaming pass that prefetches: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
@@ -138,18 +172,53 @@ __attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int
 }
 #endif
 
-using PassFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, int32_t*, Ahead*);
+using PassFn = void (*)(const uint8_t*, int64_t, const Span&, const int8_t*, int64_t, int32_t*, Ahead*);
 
-// The first row takes all the tile's vectors in one pass, so the tile is read from memory
-// as one stream (as the AVX512 kernel reads it; a pass over some of its vectors reads every
-// group's cache lines with gaps, and the next pass fetched the rest from memory again: a
-// 2-row step cost twice a 1-row step at 1.5B). The other rows then pass over the tile while
-// it is in cache, two at a time over pairs of vectors, where a weight load serves both rows;
-// meanwhile they bring the stream's next bytes into L2 (see StreamAhead).
+// What a block's passes prefetch: the bytes kBlockAheadBytes past the block [from, to) (byte
+// offsets in a tile of tile_bytes at t), continued into the thread's next tile past this one's
+// end (next; nothing past its range's end), spread over `passes` passes of `groups` groups.
+Ahead block_ahead(const int8_t* t, int64_t tile_bytes, int64_t from, int64_t to, const StreamAhead& next,
+                  int64_t passes, int64_t groups) {
+  Ahead a{};
+  const int64_t lo = from + kBlockAheadBytes, hi = to + kBlockAheadBytes;
+  const char* base = reinterpret_cast<const char*>(t);
+  if (lo < tile_bytes) a.p = base + lo, a.left = (std::min(hi, tile_bytes) - lo) / 64;
+  if (hi > tile_bytes && next.bytes > 0) {
+    const int64_t nlo = std::max(lo, tile_bytes) - tile_bytes, nhi = std::min(hi - tile_bytes, next.bytes);
+    if (nhi > nlo) {
+      (a.left > 0 ? a.then_p : a.p) = reinterpret_cast<const char*>(next.p) + nlo;
+      (a.left > 0 ? a.then_left : a.left) = (nhi - nlo) / 64;
+    }
+  }
+  a.rate = ((a.left + a.then_left) << 16) / (passes * groups) + 1;
+  return a;
+}
+
+// One weight tile's sums for M rows. One row: one pass over all the tile's vectors, read from
+// memory as one stream (as the AVX512 kernel reads it). Several rows: block by block (see
+// kBlockGroups), two rows at a time over pairs of vectors, where a weight load serves both
+// rows. When the tile is in cache already (the low half of 15-bit activations: tile_cached),
+// the first row's pass over the whole tile and then the others' bring the thread's next tile
+// into L2 meanwhile (see StreamAhead).
 template <PassFn (*Pick)(int, int, bool)>
 void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int64_t stride, int64_t v0, int64_t nv,
                    int32_t* acc, bool symmetric, const StreamAhead& next) {
   const int64_t k4 = padded_k(K), group_bytes = stride * 64, groups = (K + 3) / 4;
+  if (M > 1 && !next.tile_cached) {
+    const int64_t passes = (nv + 1) / 2 * ((M + 1) / 2), tile_bytes = group_bytes * (k4 / 4);
+    for (int64_t g0 = 0; g0 < groups; g0 += kBlockGroups) {
+      const int64_t g1 = std::min(groups, g0 + kBlockGroups);
+      Ahead ahead = block_ahead(t, tile_bytes, g0 * group_bytes, g1 * group_bytes, next, passes, g1 - g0);
+      const Span block{g0, g1, g0 > 0};
+      for (int64_t vc = 0; vc < nv; vc += 2) {
+        const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
+        for (int64_t r0 = 0; r0 < M; r0 += 2)
+          Pick(M - r0 < 2 ? 1 : 2, nvc, symmetric)(x + r0 * k4, k4, block, t + (v0 + vc) * 64, group_bytes,
+                                                   acc + r0 * kTile + vc * 16, &ahead);
+      }
+    }
+    return;
+  }
   const int64_t cached_passes = (next.tile_cached ? 1 : 0) + (nv + 1) / 2 * (M / 2);
   Ahead ahead{};
   if (cached_passes > 0 && next.bytes >= 64) {
@@ -159,13 +228,14 @@ void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int6
     ahead.rate = std::min<int64_t>(4 << 16, (lines << 16) / (cached_passes * groups) + 1);
   }
   Ahead none{};  // a streaming pass left to the hardware prefetcher
-  Pick(1, static_cast<int>(nv), symmetric)(x, k4, K, t + v0 * 64, group_bytes, acc,
+  const Span all{0, groups, false};
+  Pick(1, static_cast<int>(nv), symmetric)(x, k4, all, t + v0 * 64, group_bytes, acc,
                                            next.tile_cached ? &ahead : next.prefetch_stream ? nullptr : &none);
   for (int64_t vc = 0; vc < nv; vc += 2) {
     const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
     for (int64_t r0 = 1; r0 < M; r0 += 2) {
       const int rows = M - r0 < 2 ? 1 : 2;
-      Pick(rows, nvc, symmetric)(x + r0 * k4, k4, K, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16,
+      Pick(rows, nvc, symmetric)(x + r0 * k4, k4, all, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16,
                                  &ahead);
     }
   }

@@ -69,12 +69,13 @@ inline bool prefetch_stream_at(int64_t offset) { return offset < kStreamStartByt
 // acc[r * kTile + c] for c < 16 nv. tile_rows_avx2 and tile_rows_portable give the exact
 // sums of q * w; tile_rows_avx_vnni (u8 x s8 like the AVX512 kernel) those of (q + 128) * w,
 // comp still to take off. symmetric: no weight of the tile is -128 (tiles_symmetric).
-// next: the weight bytes the calling thread reads after this tile, which the passes that
-// compute on the tile once it is in cache (rows after the first; every pass when
-// tile_cached, as for the low half of 15-bit activations) bring into L2 meanwhile, so the
-// memory keeps streaming while the cores multiply (see stream_ahead). prefetch_stream: the
-// pass that reads the tile from memory asks for its lines ahead in software (else it leaves
-// them to the hardware prefetcher; see prefetch_stream_at).
+// next: the weight bytes the calling thread reads after this tile, which passes computing on
+// bytes already in cache bring into L2 meanwhile, so the memory keeps streaming while the
+// cores multiply (see stream_ahead): with several rows, the passes over the tile's last
+// blocks reach into it (gemm_avx2.cpp, kBlockGroups); when tile_cached (the low half of
+// 15-bit activations), every pass over the tile. prefetch_stream: a one-row pass that reads
+// the tile from memory asks for its lines ahead in software (else it leaves them to the
+// hardware prefetcher; see prefetch_stream_at).
 struct StreamAhead {
   const int8_t* p = nullptr;
   int64_t bytes = 0;

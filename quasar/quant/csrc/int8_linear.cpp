@@ -499,15 +499,16 @@ namespace {
 std::atomic<int64_t> g_stream_prefetch{1};
 
 // The bytes the thread reads after the tile that ends at vector `v_next` of its range [.., v1),
-// for the passes that find that tile in cache to bring into L2 (AVX2 and AVX-VNNI: their rows
-// after the first cost about as much arithmetic as the first row's stream, which otherwise
-// waits for them): from the start of the tile holding v_next (in its own segment: the next
-// weight may be another array) up to one tile, at most kAheadMaxBytes, and never past the
-// range's part of that segment (the other thread's bytes).
+// for passes computing on bytes already in cache to bring into L2 (AVX2 and AVX-VNNI: their
+// rows cost arithmetic the stream would otherwise wait for; see gemm_avx2.cpp): from the start
+// of the tile holding v_next (in its own segment: the next weight may be another array) up to
+// one tile, at most kAheadMaxBytes, and never past the range's part of that segment (the
+// other thread's bytes).
 // Measured on a 1.5B model, forced AVX2 on a Zen 4 (Transformer.step, 2 threads, the settings
-// interleaved round by round): steps of 1 / 2 / 4 / 6 rows went from 53 / 67 / 96 / 126 ms to
-// 52 / 64 / 81 / 108 ms (a fixed 64 KiB or 1 MiB ahead was worse); 135M: 7.3 / 10.2 / 13.2 to
-// 6.5 / 8.8 / 11.9 ms at 2 / 4 / 6 rows.
+// interleaved round by round), when the rows after the first passed over a whole tile in L2:
+// steps of 1 / 2 / 4 / 6 rows went from 53 / 67 / 96 / 126 ms to 52 / 64 / 81 / 108 ms (a
+// fixed 64 KiB or 1 MiB ahead was worse); 135M: 7.3 / 10.2 / 13.2 to 6.5 / 8.8 / 11.9 ms at
+// 2 / 4 / 6 rows.
 constexpr int64_t kAheadMaxBytes = 256 << 10;
 
 quasar::StreamAhead stream_ahead(const quasar::SmallMGemm& g, const int64_t* vector_first, int64_t s, int64_t v_next,
