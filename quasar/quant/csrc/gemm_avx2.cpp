@@ -78,12 +78,25 @@ inline void ahead_line(Ahead& a) {
   }
 }
 
-// The groups [g0, g1) of a tile a pass multiplies (4 columns of K each); add: onto the sums in
-// acc (an earlier block's), else from zero.
-struct Span {
-  int64_t g0, g1;
-  bool add;
-};
+// A pass's R x NV x 2 sums at its start: from zero on a tile's first group (g0 == 0), else
+// the earlier blocks' in acc; and back into acc at its end.
+template <int R, int NV>
+__attribute__((target("avx2"), always_inline)) inline void load_sums(__m256i (&a)[R][NV][2], const int32_t* acc,
+                                                                     int64_t g0) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h)
+        a[r][v][h] = g0 > 0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * kTile + v * 16 + h * 8))
+                            : _mm256_setzero_si256();
+}
+
+template <int R, int NV>
+__attribute__((target("avx2"), always_inline)) inline void store_sums(const __m256i (&a)[R][NV][2], int32_t* acc) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kTile + v * 16 + h * 8), a[r][v][h]);
+}
 
 inline int32_t load_u32(const uint8_t* p) {
   int32_t v;
@@ -94,17 +107,13 @@ inline int32_t load_u32(const uint8_t* p) {
 // R rows x NV vectors of one tile; 2 * R * NV accumulators + 2 R broadcasts + 3 temporaries
 // fit AVX2's 16 ymm registers for (R, NV) in (1, 1..4), (2, 1..2).
 template <int R, int NV, bool kSymmetric>
-__attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx, const Span& span, const int8_t* t,
-                                                   int64_t group_bytes, int32_t* acc, Ahead* ahead) {
+__attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx, int64_t g0, int64_t g1,
+                                                   const int8_t* t, int64_t group_bytes, int32_t* acc, Ahead* ahead) {
   __m256i a[R][NV][2];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v)
-      for (int h = 0; h < 2; ++h)
-        a[r][v][h] = span.add ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * kTile + v * 16 + h * 8))
-                              : _mm256_setzero_si256();
+  load_sums<R, NV>(a, acc, g0);
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   Ahead ah = ahead ? *ahead : Ahead{};
-  for (int64_t g = span.g0; g < span.g1; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     const int8_t* p = t + g * group_bytes;
     if (!ahead)  // a streaming pass that prefetches: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
@@ -131,26 +140,19 @@ __attribute__((target("avx2,fma"))) void pass_avx2(const uint8_t* x, int64_t ldx
       }
   }
   if (ahead) *ahead = ah;
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kTile + v * 16 + h * 8), a[r][v][h]);
+  store_sums<R, NV>(a, acc);
 }
 
 #if __GNUC__ >= 11 || defined(__clang__)
 #define QUASAR_AVX_VNNI_KERNEL 1
 template <int R, int NV>
-__attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int64_t ldx, const Span& span,
+__attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int64_t ldx, int64_t g0, int64_t g1,
                                                            const int8_t* t, int64_t group_bytes, int32_t* acc,
                                                            Ahead* ahead) {
   __m256i a[R][NV][2];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v)
-      for (int h = 0; h < 2; ++h)
-        a[r][v][h] = span.add ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * kTile + v * 16 + h * 8))
-                              : _mm256_setzero_si256();
+  load_sums<R, NV>(a, acc, g0);
   Ahead ah = ahead ? *ahead : Ahead{};
-  for (int64_t g = span.g0; g < span.g1; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     const int8_t* p = t + g * group_bytes;
     if (!ahead)  // a streaming pass that prefetches: see kPrefetchBytes
       for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + v * 64), _MM_HINT_T1);
@@ -165,14 +167,12 @@ __attribute__((target("avx2,avxvnni"))) void pass_avx_vnni(const uint8_t* x, int
       }
   }
   if (ahead) *ahead = ah;
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kTile + v * 16 + h * 8), a[r][v][h]);
+  store_sums<R, NV>(a, acc);
 }
 #endif
 
-using PassFn = void (*)(const uint8_t*, int64_t, const Span&, const int8_t*, int64_t, int32_t*, Ahead*);
+// (x, ldx, g0, g1, t, group_bytes, acc, ahead): the sums of the groups [g0, g1) of a tile.
+using PassFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, int64_t, int32_t*, Ahead*);
 
 // What a block's passes prefetch: the bytes kBlockAheadBytes past the block [from, to) (byte
 // offsets in a tile of tile_bytes at t), continued into the thread's next tile past this one's
@@ -209,11 +209,10 @@ void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int6
     for (int64_t g0 = 0; g0 < groups; g0 += kBlockGroups) {
       const int64_t g1 = std::min(groups, g0 + kBlockGroups);
       Ahead ahead = block_ahead(t, tile_bytes, g0 * group_bytes, g1 * group_bytes, next, passes, g1 - g0);
-      const Span block{g0, g1, g0 > 0};
       for (int64_t vc = 0; vc < nv; vc += 2) {
         const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
         for (int64_t r0 = 0; r0 < M; r0 += 2)
-          Pick(M - r0 < 2 ? 1 : 2, nvc, symmetric)(x + r0 * k4, k4, block, t + (v0 + vc) * 64, group_bytes,
+          Pick(M - r0 < 2 ? 1 : 2, nvc, symmetric)(x + r0 * k4, k4, g0, g1, t + (v0 + vc) * 64, group_bytes,
                                                    acc + r0 * kTile + vc * 16, &ahead);
       }
     }
@@ -228,15 +227,14 @@ void tile_rows_256(const uint8_t* x, int64_t M, int64_t K, const int8_t* t, int6
     ahead.rate = std::min<int64_t>(4 << 16, (lines << 16) / (cached_passes * groups) + 1);
   }
   Ahead none{};  // a streaming pass left to the hardware prefetcher
-  const Span all{0, groups, false};
-  Pick(1, static_cast<int>(nv), symmetric)(x, k4, all, t + v0 * 64, group_bytes, acc,
+  Pick(1, static_cast<int>(nv), symmetric)(x, k4, 0, groups, t + v0 * 64, group_bytes, acc,
                                            next.tile_cached ? &ahead : next.prefetch_stream ? nullptr : &none);
   for (int64_t vc = 0; vc < nv; vc += 2) {
     const int nvc = static_cast<int>(nv - vc < 2 ? nv - vc : 2);
     for (int64_t r0 = 1; r0 < M; r0 += 2) {
       const int rows = M - r0 < 2 ? 1 : 2;
-      Pick(rows, nvc, symmetric)(x + r0 * k4, k4, all, t + (v0 + vc) * 64, group_bytes, acc + r0 * kTile + vc * 16,
-                                 &ahead);
+      Pick(rows, nvc, symmetric)(x + r0 * k4, k4, 0, groups, t + (v0 + vc) * 64, group_bytes,
+                                 acc + r0 * kTile + vc * 16, &ahead);
     }
   }
 }

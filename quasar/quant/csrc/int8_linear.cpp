@@ -581,7 +581,7 @@ void gemm_vectors(const quasar::SmallMGemm& g, const int64_t* vector_first, quas
     const int8_t* tile = seg.tiles + n0 * k4;
     const bool symmetric = quasar::tiles_symmetric(seg.tiles, seg.n, K);
     quasar::StreamAhead next = stream_ahead(g, vector_first, s, v + (vb - va), v1);
-    next.prefetch_stream = M > 1 || quasar::prefetch_stream_at((v - std::max(v0, vector_first[s])) * 16 * k4);
+    next.prefetch_stream = quasar::prefetch_stream_at((v - std::max(v0, vector_first[s])) * 16 * k4);
     if (kSplit) {  // the low half's passes all find the tile in cache: they fetch ahead
       quasar::StreamAhead stream{};
       stream.prefetch_stream = next.prefetch_stream;
