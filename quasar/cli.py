@@ -12,6 +12,7 @@ import json
 import sys
 
 from quasar.bench import commands as bench_commands
+from quasar.cache import commands as cache_commands
 from quasar.cli_args import add_decoding_args, add_model_args
 from quasar.errors import QuasarError
 from quasar.fileio import read_text
@@ -20,7 +21,7 @@ from quasar.quant import commands as quant_commands
 from quasar.server import commands as server_commands
 
 # each defines `register(subparsers)` for its subcommands
-COMMAND_MODULES = (quant_commands, bench_commands, eval_commands, server_commands)
+COMMAND_MODULES = (quant_commands, bench_commands, eval_commands, server_commands, cache_commands)
 
 BUILTIN_PROMPT = ("Write a Python function `fizzbuzz(n)` that returns a list of strings for 1..n, "
                   "then explain it briefly.")

@@ -19,3 +19,11 @@ def cache_root() -> Path:
 def cache_dir(kind: str) -> Path:
     """The cache folder for one kind of entry, e.g. ``cache_dir("w8a8")``."""
     return cache_root() / kind
+
+
+def in_cache(path: str | Path) -> bool:
+    """Whether ``path`` lies under the cache root, as given or with links resolved (a test's
+    cache may link parts of another): what Quasar wrote there must carry a manifest."""
+    path, root = Path(path), cache_root()
+    return any(p == r or r in p.parents for p, r in ((path.absolute(), root.absolute()),
+                                                      (path.resolve(), root.resolve())))

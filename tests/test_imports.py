@@ -30,6 +30,8 @@ import quasar
 MODULES = sorted(m.name for m in pkgutil.walk_packages(quasar.__path__, "quasar.") if m.name != "quasar.__main__")
 # layer -> packages it must never load
 FORBIDDEN = {
+    "quasar.cache": ("quasar.models", "quasar.data", "quasar.quant", "quasar.speculative", "quasar.api",
+                     "quasar.bench", "quasar.eval", "quasar.server", "quasar.cli"),
     "quasar.models": ("quasar.quant", "quasar.speculative", "quasar.api", "quasar.bench", "quasar.eval",
                       "quasar.server", "quasar.cli"),
     "quasar.data": ("quasar.models", "quasar.quant", "quasar.speculative", "quasar.api", "quasar.bench",

@@ -2,9 +2,10 @@
 
 The `gguf` package reads and dequantizes the tensors; transformers builds the tokenizer and
 chat template from the file's metadata. The result (config.json, float32 safetensors
-sharded one decoder layer per file with their index, tokenizer files) is written to a
-temporary directory and renamed into place, keyed by the file's identity, so later loads
-skip all of this. Shards are dequantized and written one at a time, so converting a large
+sharded one decoder layer per file with their index, tokenizer files, the manifest) is
+written to a temporary directory and renamed into place (quasar.fileio.atomic_dir: locked,
+its size checked against the free space first), keyed by the file's content, so later loads
+skip all of this, wherever the file or the cache is. A damaged entry is converted again. Shards are dequantized and written one at a time, so converting a large
 model needs memory for one layer, not for the whole float32 model. Entries written before
 sharding (one model.safetensors) hold the same tensors and still load.
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quasar.cache.entries import entry_path, lookup
+from quasar.cache.keys import file_key
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.paths import cache_dir
@@ -40,22 +43,35 @@ LAYER_NAMES = {
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 DEQUANT_CHUNK_VALUES = 1 << 22  # values dequantized per call (16 MB of float32)
+# Part of the key: raise it when the conversion's output changes, so older entries are not used.
+CONVERSION = 2
+TOKENIZER_BYTES = 4 << 20  # the least room for the tokenizer files in a conversion's size estimate
 
 
 def cache_dir_for(path: Path) -> Path:
-    """The conversion's cache folder, keyed by the file's path, size and modification time."""
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    """The conversion's cache folder, keyed by the file's content (its size and a sampled hash,
+    quasar.cache.keys) and CONVERSION; not by its path, name or modification time."""
+    key = json.dumps({"gguf": file_key(path), "conversion": CONVERSION})
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir("gguf") / f"{path.stem}-{digest}"
+    return entry_path(cache_dir("gguf"), path.stem, digest)
 
 
-def gguf_to_hf_dir(path: Path) -> Path:
-    """Return the cached float HF directory for `path`, converting on first use."""
+def gguf_to_hf_dir(path: Path, weights: bool = False) -> Path:
+    """Return the cached float HF directory for `path`, converting on first use. The entry is
+    checked against its manifest (the config and tokenizer; the weights too with `weights`);
+    a damaged one is converted again, with a one-line warning."""
+    from quasar.models.hf import check_manifest
+
     target = cache_dir_for(path)
-    if not (target / "config.json").is_file():
-        atomic_dir(target, lambda tmp: _convert(path, tmp), exist_ok=True)
+    if lookup(target, lambda d: check_manifest(d, weights), "GGUF conversion") is None:
+        reader = _reader(path)
+        atomic_dir(target, lambda tmp: _convert(reader, path, tmp), exist_ok=True, need_bytes=_float_bytes(reader))
     return target
+
+
+def _float_bytes(reader) -> int:
+    """About what the conversion writes: every tensor in float32, and the tokenizer."""
+    return sum(4 * int(np.prod([int(d) for d in t.shape])) for t in reader.tensors) + TOKENIZER_BYTES
 
 
 def _reader(path: Path):
@@ -204,8 +220,7 @@ def _save_tokenizer(path: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def _convert(path: Path, out: Path) -> None:
-    reader = _reader(path)
+def _convert(reader, path: Path, out: Path) -> None:
     names = {t.name for t in reader.tensors}
     cfg = _config(reader, path, has_output="output.weight" in names)
     _save_tokenizer(path, out)

@@ -2,7 +2,9 @@
 
 No pickle, no `trust_remote_code`: only safetensors are read, memory-mapped
 (`safetensors_mmap`). Weights keep their stored dtype unless another float dtype is asked
-for; int8 weights and `*_scale` tensors are never converted.
+for; int8 weights and `*_scale` tensors are never converted. A directory with a manifest
+(quasar.cache.manifest: what Quasar writes) is checked against it when its weights load; one
+in the cache must have one, a user's may not (older checkpoints, other tools' exports).
 """
 
 from __future__ import annotations
@@ -12,11 +14,21 @@ from pathlib import Path
 
 import torch
 
+from quasar.cache.manifest import verify
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
 from quasar.models.formats import quantized_format
 from quasar.models.llama import Transformer, rope_inv_freq
 from quasar.models.safetensors_mmap import mmap_safetensors, tensor_entries
+
+
+def check_manifest(model_dir: Path, weights: bool = True) -> int | None:
+    """Check ``model_dir``'s files (without ``weights``: all but the safetensors) against its
+    manifest; the bytes checked, or None without one. A damaged file is a QuasarError naming it."""
+    from quasar.paths import in_cache
+
+    select = None if weights else (lambda rel: not rel.endswith(".safetensors"))
+    return verify(model_dir, required=in_cache(model_dir), select=select)
 
 
 def read_config(model_dir: Path) -> dict:
@@ -34,8 +46,8 @@ def weight_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise QuasarError(f"{index}: invalid shard index ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise QuasarError(f"{index}: invalid shard index ({type(e).__name__}: {e})") from None
         files = [model_dir / s for s in shards]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -101,7 +113,9 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
 
 
 def load_hf_dir(model_dir: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    check_manifest(model_dir, weights=False)  # the config and index as written, before they are read
     raw = read_config(model_dir)
     cfg = ModelConfig.from_hf(raw)
-    tensors = read_safetensors(weight_files(model_dir))
+    tensors = read_safetensors(weight_files(model_dir))  # the headers checked against the sizes first
+    check_manifest(model_dir)
     return build_model(cfg, tensors, str(model_dir), dtype, raw.get("quantization_config"))

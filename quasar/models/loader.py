@@ -2,7 +2,9 @@
 
 Opening reads the config and the tokenizer only; the weights are loaded on first use of
 `LoadedModel.model`, so a caller that never needs them (decoding with a cached W8A8
-verifier) never pays for them.
+verifier) never pays for them. What is read is checked against the directory's manifest
+first (quasar.cache.manifest): the config and tokenizer on opening, the weights when
+`weights_dir` or `model` first needs them (a GGUF's damaged conversion is then rebuilt).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
-from quasar.models.hf import check_weight_files, load_hf_dir, read_config
+from quasar.models.hf import check_manifest, check_weight_files, load_hf_dir, read_config
 from quasar.models.llama import Transformer
 from quasar.models.tokenizer import Tokenizer
 
@@ -47,6 +49,7 @@ class LoadedModel:
         self.dtype = dtype  # the float dtype asked for
         self.quantization_config = quantization_config
         self._model: Transformer | None = None
+        self._weights_checked = False
 
     @property
     def quantized(self) -> bool:
@@ -60,11 +63,20 @@ class LoadedModel:
         qc = self.quantization_config
         return "w4a8" if isinstance(qc, dict) and qc.get("quant_method") == "quasar-w4a8" else "w8a8"
 
+    def weights_dir(self) -> Path:
+        """``model_dir`` once its weights have been checked against its manifest (the first
+        call reads them all): a GGUF's damaged conversion is rebuilt with a warning, a user's
+        damaged directory is a QuasarError naming the file. Call it before reading the weights."""
+        if not self._weights_checked:
+            self.model_dir = resolve_model_dir(self.source, weights=True)
+            self._weights_checked = True
+        return self.model_dir
+
     @property
     def model(self) -> Transformer:
         """The model's weights as a Transformer, loaded (memory-mapped) on first access."""
         if self._model is None:
-            self._model = load_hf_dir(self.model_dir, self.dtype)
+            self._model = load_hf_dir(self.weights_dir(), self.dtype)
         return self._model
 
     @property
@@ -73,8 +85,9 @@ class LoadedModel:
         return self._model is not None and not self.quantized
 
 
-def resolve_model_dir(source: str | Path) -> Path:
-    """Map a model source to a Hugging Face-format directory (converting GGUF once)."""
+def resolve_model_dir(source: str | Path, weights: bool = False) -> Path:
+    """Map a model source to a Hugging Face-format directory (converting GGUF once), checked
+    against its manifest: all of it with ``weights``, else all but the weights."""
     if str(source) == "default":
         from quasar.data.packages import default_model_path
 
@@ -87,7 +100,8 @@ def resolve_model_dir(source: str | Path) -> Path:
             raise QuasarError(f"{path}: expected a .gguf file or a model directory")
         from quasar.models.gguf import gguf_to_hf_dir
 
-        return gguf_to_hf_dir(path)
+        return gguf_to_hf_dir(path, weights)
+    check_manifest(path, weights)
     return path
 
 

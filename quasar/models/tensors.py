@@ -40,13 +40,15 @@ class SafetensorsSource(TensorSource):
     """
 
     def __init__(self, model_dir: str | Path):
-        from quasar.models.hf import weight_files
+        from quasar.models.hf import check_manifest, weight_files
 
         self.model_dir = Path(model_dir)
         self._file_of: dict[str, Path] = {}
+        check_manifest(self.model_dir, weights=False)  # the index as written, before it is read
         for f in weight_files(self.model_dir):
             for name in tensor_entries(f)[0]:  # checks the header against the file's size
                 self._file_of[name] = f
+        check_manifest(self.model_dir)  # what is built from damaged weights would be cached as good
 
     def names(self) -> list[str]:
         return list(self._file_of)

@@ -8,7 +8,8 @@ under ``quantization_config.quasar``; the export always writes a float ``lm_head
 lists it under ``ignore``, which is what vLLM and transformers expect.
 
 Directories are written to a temporary sibling and renamed into place, so a failure
-leaves nothing behind and readers never see half a checkpoint.
+leaves nothing behind and readers never see half a checkpoint; each carries a manifest of
+its files' sizes and hashes (quasar.cache.manifest), checked when it loads.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ FORMAT_VERSION = 1
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
 _ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 _SCHEME_DEFAULTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}  # compressed-tensors'
-# files of a model directory that are not tokenizer/generation metadata
+# files of a model directory that are not tokenizer/generation metadata (the source's manifest
+# lists the source's files: the checkpoint gets its own)
 _NOT_COPIED = re.compile(r"(config\.json|.*\.safetensors|.*\.safetensors\.index\.json|.*\.bin|.*\.pt|.*\.pth|"
-                         r".*\.gguf|.*\.ckpt|.*\.msgpack|.*\.h5)$")
+                         r".*\.gguf|.*\.ckpt|.*\.msgpack|.*\.h5|quasar-manifest\.json)$")
 
 
 def quantization_config(ignore: list[str], quasar: dict | None = None) -> dict:

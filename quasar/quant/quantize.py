@@ -10,6 +10,7 @@ Transformer (tests, small models); the float model is left untouched. Both run
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -43,7 +44,11 @@ def _output_config(cfg: ModelConfig, opts: QuantOptions, info: dict) -> dict:
         from quasar.quant.w4a8_checkpoint import w4a8_config_of
         from quasar.quant.w4a8_numerics import W4A8_GROUP
 
-        return w4a8_config_of(out_cfg, W4A8_GROUP, 8, opts.lm_head, {"quasar": info})
+        from quasar.quant.sequential import WIDE_ACT_BITS
+        from quasar.quant.w4a8_layouts import FAITHFUL
+
+        bits = WIDE_ACT_BITS if opts.w4_layout == FAITHFUL else 8  # the int8 linears the layout keeps
+        return w4a8_config_of(out_cfg, W4A8_GROUP, bits, opts.lm_head, {"quasar": info}, int8_act_bits=bits)
     return checkpoint_config(out_cfg, opts.int8_head, info)
 
 
@@ -64,25 +69,39 @@ def quant_options(options: QuantOptions | None, fields: dict) -> QuantOptions:
     return QuantOptions(**fields)
 
 
+def checkpoint_bytes(cfg: ModelConfig, opts: QuantOptions) -> int:
+    """About the size of the checkpoint of a model with config ``cfg`` quantized as ``opts`` say
+    (a little less: the norms, biases and tokenizer are left out), to check the free space first."""
+    h, inter, heads, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads
+    dim = cfg.head_dim
+    linears = h * dim * (2 * heads + 2 * kv) + 3 * h * inter  # q, o; k, v; gate, up, down
+    per_weight = 0.5 + 4 / 32 if opts.weight_bits == 4 else 1.0  # 4-bit groups of 32: two float16s each
+    head = cfg.vocab_size * h * (1 if opts.int8_head else 4)
+    return int(cfg.num_layers * linears * per_weight) + 4 * cfg.vocab_size * h + head
+
+
 def quantize_source(source: TensorSource, cfg: ModelConfig, tokenizer, out: str | Path,
                     tokenizer_dir: Path | None = None, *, calib_text: str | None = None,
                     calib_source: str | None = None, progress: bool = True, exist_ok: bool = False,
-                    options: QuantOptions | None = None, **fields) -> dict:
+                    announce: str | None = None, options: QuantOptions | None = None, **fields) -> dict:
     """Quantize ``source`` into a sharded W8A8 checkpoint directory ``out`` (made visible
     only when complete) as ``options`` say (or ``QuantOptions(**fields)``); returns its
-    config.json. ``calib_text`` is the calibration text (None: the built-in corpus)."""
+    config.json. ``calib_text`` is the calibration text (None: the built-in corpus);
+    ``announce`` is printed (stderr) when the work starts, not when another process did it."""
     opts = quant_options(options, fields)
     windows = _windows(tokenizer, cfg, opts, calib_text)
     written: dict = {}
 
     def fill(tmp: Path) -> None:
+        if announce:
+            print(announce, file=sys.stderr, flush=True)
         writer = ShardWriter(tmp, cfg.num_layers + 2)  # embeddings, each layer, norm + lm_head
         info = quantize_layers(source, cfg, windows, writer.add, opts, progress)
         info["calibration"]["source"] = _calib_source(opts, calib_text, calib_source)
         written.update(_output_config(cfg, opts, info))
         writer.finish(written, tokenizer_dir)
 
-    atomic_dir(Path(out), fill, exist_ok)
+    atomic_dir(Path(out), fill, exist_ok, need_bytes=checkpoint_bytes(cfg, opts))
     return written
 
 

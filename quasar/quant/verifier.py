@@ -3,22 +3,26 @@
 The directory is quantized layer by layer straight into the cache (never loading the float
 model); decoding then loads only the int8 checkpoint.
 
-The quantized checkpoint is kept under ``$QUASAR_CACHE/w8a8/`` keyed by the identity of
-the model directory (path, sizes and modification times of its config and weights), the
-float dtype and the quantization options (incl. the calibration file's content hash), so
-later runs load it in about a second instead of recalibrating.
+The quantized checkpoint is kept under ``$QUASAR_CACHE/w8a8/`` keyed by what the model
+directory holds (names, sizes and sampled content hashes of its config and weights: never
+its path, so a GGUF's conversion and a copied cache keep their keys), the float dtype and the
+quantization options (incl. the calibration file's content hash), so later runs load it in
+about a second instead of recalibrating. Loading checks the entry against its manifest; a
+damaged one is rebuilt with a one-line warning (quasar.cache.entries). One process builds an
+entry while others wait for it (quasar.fileio.atomic_dir).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from quasar.cache.entries import entry_path, lookup
+from quasar.cache.keys import dir_key
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.paths import cache_dir
@@ -27,17 +31,23 @@ from quasar.quant.options import QuantOptions
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _file_identity(path: Path) -> list:
-    st = path.stat()
-    return [path.name, st.st_size, st.st_mtime_ns]
+_TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+                    "chat_template.json")
+
+
+def _identifies(name: str) -> bool:
+    """The files a W8A8 copy is made from: the config, the weights and the tokenizer (it
+    tokenizes the calibration text, and the copy carries it)."""
+    return (name == "config.json" or name.endswith((".safetensors", ".index.json")) or name.startswith("tokenizer")
+            or name in _TOKENIZER_FILES)
 
 
 def model_identity(model_dir: Path) -> list:
-    """What changes when the model directory's config or weights change."""
-    model_dir = Path(model_dir).resolve()
-    files = sorted(p for p in model_dir.iterdir() if p.is_file() and
-                   (p.name == "config.json" or p.suffix == ".safetensors" or p.name.endswith(".index.json")))
-    return [str(model_dir), *[_file_identity(p) for p in files]]
+    """What changes when the model directory's config, weights or tokenizer change: their
+    names, sizes and sampled content hashes (quasar.cache.keys), not the directory's path or
+    times."""
+    model_dir = Path(model_dir)
+    return dir_key(model_dir, [p.name for p in model_dir.iterdir() if p.is_file() and _identifies(p.name)])
 
 
 def cache_key(model_dir: Path, dtype: torch.dtype, key: dict) -> str:
@@ -51,8 +61,8 @@ def cache_key(model_dir: Path, dtype: torch.dtype, key: dict) -> str:
 def cache_path(model_dir: Path, dtype: torch.dtype, key: dict, kind: str = "w8a8") -> Path:
     """The cache entry of `model_dir` quantized with options whose `QuantOptions.cache_key` is
     `key`, under ``$QUASAR_CACHE/<kind>/`` (kind: w8a8, or w4a8 with its own key)."""
-    name = f"{Path(model_dir).resolve().name}-{_DTYPE_NAMES.get(dtype, str(dtype))}"
-    return cache_dir(kind) / f"{name}-{cache_key(model_dir, dtype, key)}"
+    label = f"{Path(model_dir).resolve().name}-{_DTYPE_NAMES.get(dtype, str(dtype))}"
+    return entry_path(cache_dir(kind), label, cache_key(model_dir, dtype, key))
 
 
 def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
@@ -91,25 +101,23 @@ def w8a8_verifier(loaded, options: QuantOptions | None = None, *, cache: bool = 
     # model's dtype: they are a small share of the bytes, and the fused step needs them so.
     dtype = torch.float32
     build = dict(options=options, calib_text=text, progress=progress)
-    target = cache_path(model_dir, dtype, options.cache_key(digest)) if cache else None
-    if target is not None and (target / "config.json").is_file():
+    if cache:
+        target = cache_path(model_dir, dtype, options.cache_key(digest))
+        model = lookup(target, lambda entry: _load(entry, dtype, options.backend), "W8A8")
+        if model is not None:
+            return model
         try:
-            return _load(target, dtype, options.backend)
-        except QuasarError as e:  # damaged entry: rebuild it
-            print(f"warning: rebuilding the W8A8 cache entry {target} ({e})", file=sys.stderr)
-            shutil.rmtree(target, ignore_errors=True)
-    if target is not None:
-        if progress:
-            print("quantizing the model to W8A8 layer by layer (once; the result is cached)...", file=sys.stderr)
-        try:
-            quantize_to_dir(model_dir, loaded.tokenizer, target, exist_ok=True, **build)
+            quantize_to_dir(loaded.weights_dir(), loaded.tokenizer, target, exist_ok=True,
+                            announce=f"quantizing the model to W8A8 layer by layer, once (cached in {target})",
+                            **build)
             return _load(target, dtype, options.backend)
         except OSError as e:  # a read-only or full cache must not stop decoding
-            print(f"warning: could not cache the W8A8 model in {target} ({e}); building it in memory",
-                  file=sys.stderr)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"warning: could not cache the W8A8 model ({why}); building it in memory", file=sys.stderr)
     from quasar.models.tensors import SafetensorsSource
 
-    return build_w8a8(SafetensorsSource(model_dir), loaded.tokenizer, cfg=loaded.config, dtype=dtype, **build)
+    return build_w8a8(SafetensorsSource(loaded.weights_dir()), loaded.tokenizer, cfg=loaded.config, dtype=dtype,
+                      **build)
 
 
 def _load(target: Path, dtype: torch.dtype, backend: str) -> Transformer:
