@@ -61,6 +61,8 @@ def test_page_is_served_self_contained(server):
         assert needle in html, needle
     # offline: no external scripts, styles or fonts
     assert "http://" not in html and "https://" not in html and "<link" not in html
+    # the API key is never written to storage (it stays in the page's field)
+    assert "localStorage" not in html and "sessionStorage" not in html and "document.cookie" not in html
 
 
 class DevTools:
@@ -175,6 +177,8 @@ STATE = """JSON.stringify({
   tokens: document.getElementById('tokens').textContent, tps: document.getElementById('tps').textContent,
   mal: document.getElementById('mal').textContent, steps: document.getElementById('steps').textContent,
   error: document.getElementById('error').textContent,
+  stored: localStorage.length + sessionStorage.length + document.cookie.length,
+  verifiers: [...document.querySelectorAll('#verifiers option')].map((o) => o.value),
   rect: document.getElementById('output').getBoundingClientRect().toJSON()})"""
 
 
@@ -202,6 +206,8 @@ def test_playground_streams_and_highlights_draft_tokens(server, tmp_path):
         before = browser.screenshot(page)
         idle = json.loads(browser.evaluate(page, STATE))
         assert idle["out"] == "" and idle["drafts"] == 0
+        assert idle["verifiers"] == ["fp"]  # what the server offers (/health), nothing else
+        browser.evaluate(page, "document.getElementById('api_key').value = 'sk-typed-in'")
 
         browser.evaluate(page, "document.getElementById('send').click()")
         browser.wait_until(page, "['done', 'error'].includes(document.body.dataset.state)", 60)
@@ -212,6 +218,7 @@ def test_playground_streams_and_highlights_draft_tokens(server, tmp_path):
         browser.close()
 
     assert state["error"] == ""
+    assert state["stored"] == 0  # the typed key went out with the request, into no storage
     assert state["out"] == expected["choices"][0]["message"]["content"]
     assert state["drafts"] > 0 and state["plain"] > 0
     assert int(state["tokens"]) == MAX_TOKENS and int(state["steps"]) == expected["quasar"]["steps"]

@@ -2,7 +2,8 @@
 
 One tiny random model (the real SmolLM2 tokenizer and chat template) is shared by a few
 servers started in threads on 127.0.0.1 with OS-chosen ports: `main` (no key, small
-queue, a wrapper LLM that fails on request) and `keyed` (API key, queue of one).
+queue, a wrapper LLM that fails on request) and `keyed` (API key, one batch slot and a
+queue of one).
 torch runs single-threaded here: a tiny model is much faster that way on 2 shared cores.
 """
 
@@ -78,7 +79,7 @@ def main(llm):
 
 @pytest.fixture(scope="module")
 def keyed(llm):
-    with BackgroundServer(create_app(llm, api_key=KEY, max_queue=1, model_name="tiny")) as server:
+    with BackgroundServer(create_app(llm, api_key=KEY, max_queue=1, max_batch=1, model_name="tiny")) as server:
         yield server
 
 
@@ -87,10 +88,13 @@ def client(server, key: str = "unused", **kw) -> "openai.OpenAI":
 
 
 def raw(server, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
-    """(status, headers, body bytes) of one plain HTTP request."""
+    """(status, headers, body bytes) of one plain HTTP request (a body is sent as JSON
+    unless `headers` say otherwise)."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    if headers is None:
+        headers = {} if body is None else {"Content-Type": "application/json"}
     try:
-        conn.request(method, path, body=body, headers=headers or {})
+        conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         return resp.status, dict(resp.getheaders()), resp.read()
     finally:
@@ -263,8 +267,9 @@ def test_api_key(keyed):
         client(keyed, key="sk-wrong").models.list()
     ok = client(keyed, key=KEY).chat.completions.create(model="tiny", messages=USER, max_tokens=2)
     assert ok.usage.completion_tokens == 2
-    assert raw(keyed, "GET", "/health")[0] == 200  # health, metrics and the page stay open
-    assert raw(keyed, "GET", "/metrics")[0] == 200
+    assert raw(keyed, "GET", "/health")[0] == 200  # only health stays open
+    assert raw(keyed, "GET", "/metrics")[0] == 401
+    assert raw(keyed, "GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
 
 
 # --------------------------------------------------------------------------- concurrency
@@ -289,13 +294,16 @@ def test_concurrent_clients_get_the_sequential_greedy_texts(main):
 
 
 def test_full_queue_answers_429_at_once(keyed):
+    """One batch slot and a queue of one: the first request takes the slot, the second
+    waits, the third is refused at once."""
     engine = keyed.app.state.scheduler
     c = client(keyed, key=KEY)
     engine.pause()
     try:
-        with ThreadPoolExecutor(1) as pool:
-            queued = pool.submit(c.chat.completions.create, model="tiny", messages=USER, max_tokens=3, temperature=0)
-            assert wait_for(lambda: engine.queue_depth == 1)
+        with ThreadPoolExecutor(2) as pool:
+            queued = [pool.submit(c.chat.completions.create, model="tiny", messages=USER, max_tokens=3,
+                                  temperature=0) for _ in range(2)]
+            assert wait_for(lambda: engine.queue_depth == 2)
             t0 = time.perf_counter()
             with pytest.raises(openai.RateLimitError) as e:
                 c.chat.completions.create(model="tiny", messages=USER, max_tokens=3)
@@ -303,7 +311,7 @@ def test_full_queue_answers_429_at_once(keyed):
             assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
             assert e.value.response.headers.get("retry-after") == "1"
             engine.resume()
-            assert queued.result(timeout=30).usage.completion_tokens == 3
+            assert [q.result(timeout=30).usage.completion_tokens for q in queued] == [3, 3]
     finally:
         engine.resume()
     assert keyed.app.state.metrics.rejected.value() >= 1
@@ -346,7 +354,7 @@ def test_disconnect_mid_stream_cancels_the_generation(main):
     # a non-streaming client that hangs up is noticed too
     body = json.dumps({"model": "tiny", "messages": USER, "max_tokens": 450, "drafter": "none"}).encode()
     with socket.create_connection(("127.0.0.1", main.port)) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         assert wait_for(lambda: engine.running > 0, 5)
     assert wait_for(lambda: _cancelled(main) == cancelled + 2), "the engine never saw the second cancel"

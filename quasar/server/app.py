@@ -1,35 +1,46 @@
 """The FastAPI application: OpenAI-compatible endpoints, health, metrics and the playground.
 
 `create_app(llm, ...)` only wires the parts: a `Scheduler` (bounded queue + one worker
-thread, quasar.server.scheduler) and what the routes share (`ServerContext`), the
-middleware and error handlers (`middleware`), the generation routes (`generation`, over
-the thread-to-asyncio bridge in `events`) and the others (`info`). Requests are validated
-in `openai_schema`.
+thread, quasar.server.scheduler) and what the routes share (`ServerContext`), the access
+rules (`access`), the middleware and error handlers (`middleware`), the generation routes
+(`generation`, over the thread-to-asyncio bridge in `events`) and the others (`info`).
+Requests are validated in `openai_schema`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from quasar.server import generation, info, middleware
+from quasar.server.access import AccessPolicy
 from quasar.server.context import ServerContext
 from quasar.server.metrics import ServerMetrics
 from quasar.server.scheduler import Scheduler
+from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS
+from quasar.speculative.verifiers import canonical_verifier
 
 
 def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_name: str | None = None,
                default_max_tokens: int = 1024, metrics: ServerMetrics | None = None,
-               max_batch: int | None = None) -> FastAPI:
+               max_batch: int | None = None, verifiers: Iterable[str] = (),
+               max_verifiers: int = DEFAULT_MAX_VERIFIERS, allowed_hosts: Iterable[str] = ()) -> FastAPI:
     """An app serving `llm` (a `quasar.api.LLM`), whose drafter, draft options and verifier
     are every request's defaults; up to `max_batch` sequences (default: the LLM's) decode
-    together."""
+    together. Requests may name the LLM's verifier or one of `verifiers`; at most
+    `max_verifiers` are built at a time. With `api_key` every route but /health needs it;
+    without one, requests must be addressed to a loopback name or one of `allowed_hosts`
+    (quasar.server.access)."""
     metrics = metrics or ServerMetrics()
-    scheduler = Scheduler(llm, max_queue=max_queue, metrics=metrics, max_batch=max_batch).start()
-    ctx = ServerContext(llm, scheduler, metrics, model_name or _model_name(llm), api_key, default_max_tokens)
+    offered = tuple(canonical_verifier(v) for v in verifiers)  # a bad name fails before the engine starts
+    policy = AccessPolicy(api_key, allowed_hosts)
+    scheduler = Scheduler(llm, max_queue=max_queue, metrics=metrics, max_batch=max_batch,
+                          max_verifiers=max_verifiers).start()
+    ctx = ServerContext(llm, scheduler, metrics, model_name or _model_name(llm), offered, default_max_tokens)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -40,7 +51,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
     app.state.context = ctx
     app.state.scheduler, app.state.metrics, app.state.llm, app.state.model_name = scheduler, metrics, llm, ctx.served
     app.state.defaults = ctx.defaults
-    middleware.install(app, metrics)
+    middleware.install(app, metrics, policy)
     info.add_routes(app)
     generation.add_routes(app)
     return app

@@ -13,6 +13,7 @@ import sys
 
 from quasar.defaults import DEFAULT_MAX_BATCH
 from quasar.errors import QuasarError
+from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS
 
 
 def register(sub) -> None:
@@ -28,7 +29,17 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $QUASAR_API_KEY if set)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$QUASAR_API_KEY if set)")
+    p.add_argument("--allowed-hosts", default="", metavar="HOST,...",
+                   help="without a key, host names (Host header) the server answers to besides its loopback "
+                        "names and --host (the defence against DNS rebinding)")
+    p.add_argument("--verifiers", default="", metavar="NAME,...",
+                   help="verifiers a request may ask for besides --verifier, e.g. w8a8,pruned:0.5 (default: "
+                        "none: every request decodes with --verifier)")
+    p.add_argument("--max-verifiers", type=int, default=DEFAULT_MAX_VERIFIERS,
+                   help=f"verifiers kept built at a time, each a model and a KV cache; the least recently "
+                        f"used idle one is released first (default {DEFAULT_MAX_VERIFIERS})")
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests allowed to wait for the engine; more are answered 429 at once")
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
@@ -56,6 +67,21 @@ def _check_args(args: argparse.Namespace) -> None:
         raise QuasarError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if args.max_context is not None and args.max_context < 2:
         raise QuasarError(f"--max-context must be at least 2, got {args.max_context}")
+    if args.max_verifiers < 1:
+        raise QuasarError(f"--max-verifiers must be at least 1, got {args.max_verifiers}")
+
+
+def _names(option: str) -> list[str]:
+    """A comma-separated option's entries."""
+    return [name.strip() for name in option.split(",") if name.strip()]
+
+
+def _allowed_hosts(args: argparse.Namespace) -> list[str]:
+    """--allowed-hosts, and the address served when it is one (not a wildcard)."""
+    hosts = _names(args.allowed_hosts)
+    if args.host not in ("0.0.0.0", "::", ""):
+        hosts.append(args.host)
+    return hosts
 
 
 def _is_loopback(host: str) -> bool:
@@ -87,8 +113,11 @@ def _check_port(host: str, port: int) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from quasar.cli_args import draft_options
 
+    from quasar.speculative.verifiers import canonical_verifier
+
     _check_args(args)
     draft = draft_options(args)  # every request's defaults
+    offered = [canonical_verifier(name) for name in _names(args.verifiers)]  # before the (slow) load
     _check_port(args.host, args.port)
     try:
         import uvicorn  # noqa: F401
@@ -100,13 +129,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key or os.environ.get("QUASAR_API_KEY") or None
     if not _is_loopback(args.host) and api_key is None:
-        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it",
-              file=sys.stderr)
+        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it "
+              "(by the host names of --allowed-hosts)", file=sys.stderr)
     llm = LLM(args.model, dtype=args.dtype, draft=draft, verifier=args.verifier,
               max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads, max_batch=args.max_batch)
     args.verifier = llm.verifier  # the default resolved (a quantized checkpoint's own kind)
     app = create_app(llm, api_key=api_key, max_queue=args.max_queue, model_name=args.served_model_name,
-                     default_max_tokens=args.default_max_tokens)
+                     default_max_tokens=args.default_max_tokens, verifiers=offered,
+                     max_verifiers=args.max_verifiers, allowed_hosts=_allowed_hosts(args))
     # The weights load lazily: build the default verifier before listening, so bad weights
     # fail here and the first request is not the one that waits for them; on the engine's
     # thread, which does all of the model's work (Scheduler.call).

@@ -1,20 +1,23 @@
 """What every route of one server shares: the LLM, its scheduler and metrics, the served
-model's id, and the access rules (API key, model name). `create_app` makes one and keeps
-it on `app.state.context`; a route finds it with `context(request)`."""
+model's id, and what a request may choose (the model name, the verifiers offered).
+`create_app` makes one and keeps it on `app.state.context`; a route finds it with
+`context(request)`. Who may send requests at all is quasar.server.access's."""
 
 from __future__ import annotations
 
-import hmac
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from fastapi import Request
 
+from quasar.errors import QuasarError
 from quasar.server.logprobs import token_texts
 from quasar.server.metrics import ServerMetrics
 from quasar.server.openai_schema import ApiError, now
 from quasar.server.scheduler import Scheduler
+from quasar.speculative.verifiers import canonical_verifier
 
 
 @dataclass
@@ -23,7 +26,7 @@ class ServerContext:
     scheduler: Scheduler
     metrics: ServerMetrics
     served: str  # the model id /v1/models lists, and the one a request may name
-    api_key: str | None = None
+    verifiers: tuple[str, ...] = ()  # what a request may name (canonical); the LLM's own is always one
     default_max_tokens: int = 1024  # a request's completion length when it sets none (capped by the context)
     created_at: int = field(default_factory=now)
 
@@ -39,17 +42,25 @@ class ServerContext:
         return dict(drafter=d.drafter, verifier=self.llm.verifier, num_draft=d.num_draft, ngram_min=d.ngram_min,
                     ngram_max=d.ngram_max, adaptive=d.adaptive, draft_budget=d.draft_budget)
 
-    def check_auth(self, request: Request) -> None:
-        """A 401 unless the server needs no key or the request's bearer token is it."""
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header:
-            raise ApiError(401, "You didn't provide an API key. Send it in an Authorization header: "
-                                "'Authorization: Bearer YOUR_KEY'.", code="missing_api_key")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    def __post_init__(self):
+        own, offered = self.llm.verifier, dict.fromkeys(canonical_verifier(v) for v in self.verifiers)
+        self.verifiers = (own, *(v for v in offered if v != own))
+
+    def check_verifier(self, name: str | None) -> str:
+        """The verifier a request names (None: the server's), spelled canonically; a 400
+        for a name that is no verifier (the message `LLM` gives), or one listing the offered
+        ones. Each verifier is a model and a KV cache, so requests choose among what the
+        operator offered (--verifiers)."""
+        if name is None:
+            return self.llm.verifier
+        try:
+            canonical = canonical_verifier(name)
+        except QuasarError as e:
+            raise ApiError(400, str(e)[:300], param="verifier", code="invalid_value") from None
+        if canonical not in self.verifiers:
+            raise ApiError(400, f"The verifier {json.dumps(name)[:80]} is not offered by this server; choose one of: "
+                                f"{', '.join(self.verifiers)}.", param="verifier", code="verifier_not_offered")
+        return canonical
 
     def check_model(self, model_id: str | None) -> None:
         """The one model this server knows is the id `/v1/models` lists; a request may also omit it."""

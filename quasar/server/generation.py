@@ -27,7 +27,7 @@ from quasar.server.logprobs import ChoiceLogprobs
 from quasar.server.openai_schema import (ApiError, GenRequest, choice, completion_response, new_id, now,
                                          parse_chat, parse_completion, parse_json_body, request_plan, sse,
                                          stream_chunk, usage)
-from quasar.server.scheduler import Job
+from quasar.server.scheduler import Job, SchedulerClosed
 from quasar.speculative.generate import Chunk, Result, Stats
 from quasar.speculative.options import DecodePlan
 
@@ -83,6 +83,24 @@ def completion_tokens(ctx: ServerContext, req: GenRequest, prompt_len: int) -> i
     return req.max_tokens
 
 
+async def plan_request(ctx: ServerContext, req: GenRequest, max_tokens: int) -> DecodePlan:
+    """The request's plan. Resolving drafter "auto" may measure the verifier's step, which
+    builds it: a verifier not built yet is planned on the engine's thread, after room is
+    made for it in the engine's pool, so no model is built on the event loop or past the cap."""
+    if req.verifier in ctx.llm.resident_verifiers:
+        return request_plan(ctx.llm, req, max_tokens)
+    engine = ctx.scheduler
+
+    def plan() -> DecodePlan:
+        engine.pool.make_room(req.verifier, engine.busy_verifiers())
+        return request_plan(ctx.llm, req, max_tokens)
+
+    try:
+        return await run_in_threadpool(engine.call, plan)
+    except SchedulerClosed as e:
+        raise scheduler_error(e) from None
+
+
 def quasar_stats(plan: DecodePlan, stats: Stats, job: Job) -> dict:
     """A reply's `quasar` object: what decoded it and how it went."""
     return {"drafter": plan.drafter, "verifier": plan.verifier,
@@ -99,13 +117,13 @@ async def generate(request: Request, kind: str):
     """Answer a chat or completion request, whole or streamed."""
     arrived = time.perf_counter()
     ctx = context(request)
-    ctx.check_auth(request)
     body = await read_body(request)
     draft = ctx.llm.draft
     req = parse_chat(body, draft) if kind == "chat" else parse_completion(body, ctx.llm.tokenizer.vocab_size, draft)
     ctx.check_model(req.model)
+    req.verifier = ctx.check_verifier(req.verifier)
     prompt_ids = await encode(ctx, req)
-    plan = request_plan(ctx.llm, req, completion_tokens(ctx, req, len(prompt_ids)))
+    plan = await plan_request(ctx, req, completion_tokens(ctx, req, len(prompt_ids)))
     events = submit(ctx.scheduler, lambda sink: Job(prompt_ids, plan, sink, n=req.n, created=arrived))
     first = await next_event(events, request)
     rid, created = new_id(kind), now()

@@ -1,4 +1,5 @@
-"""The routes that do not generate: the playground page, health, metrics and the model list."""
+"""The routes that do not generate: the playground page, health, metrics and the model list.
+Who may read them is quasar.server.access's (with a key, all but /health need it)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ async def health(request: Request):
     ok = scheduler.alive
     body = {"status": "ok" if ok else "unavailable", "model": ctx.served, "queue_depth": scheduler.queue_depth,
             "max_queue": scheduler.max_queue, "running": scheduler.running, "completed": scheduler.completed,
-            "defaults": ctx.defaults, "max_context": ctx.llm.max_context}
+            "defaults": ctx.defaults, "verifiers": list(ctx.verifiers), "max_context": ctx.llm.max_context}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -37,13 +38,11 @@ async def metrics(request: Request):
 
 async def list_models(request: Request):
     ctx = context(request)
-    ctx.check_auth(request)
     return {"object": "list", "data": [ctx.model_card()]}
 
 
 async def get_model(model_id: str, request: Request):
     ctx = context(request)
-    ctx.check_auth(request)
     ctx.check_model(model_id)
     return ctx.model_card()
 

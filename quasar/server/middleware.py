@@ -1,4 +1,5 @@
-"""What wraps every route: request metrics, and errors answered in OpenAI's JSON shape."""
+"""What wraps every route: request metrics, access rules (quasar.server.access), and errors
+answered in OpenAI's JSON shape."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from quasar.server.access import AccessMiddleware, AccessPolicy
 from quasar.server.events import ClientGone
 from quasar.server.metrics import ServerMetrics
 from quasar.server.openai_schema import ApiError, error_body
@@ -77,9 +79,11 @@ async def _internal_error(request: Request, exc: Exception):
                         status_code=500)
 
 
-def install(app: FastAPI, metrics: ServerMetrics) -> None:
-    """Count `app`'s requests into `metrics` and answer its errors in OpenAI's shape."""
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+def install(app: FastAPI, metrics: ServerMetrics, policy: AccessPolicy) -> None:
+    """Check `app`'s requests against `policy`, count them into `metrics` (refused ones
+    too), and answer its errors in OpenAI's shape."""
+    app.add_middleware(AccessMiddleware, policy=policy)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last: the outermost
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -34,6 +34,9 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoin
 # message -> content parts -> part); the bound keeps everything that walks a body (json's
 # own parser, error messages that re-serialise a value) far from Python's recursion limit.
 MAX_JSON_DEPTH = 64
+# Seeds seed and seed + i (choice i) must fit torch's generator; negative ones are refused
+# rather than wrapped.
+MAX_SEED = 2**63 - MAX_N
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -70,6 +73,10 @@ def parse_json_body(raw: bytes) -> dict:
                        code="invalid_json")
     if _depth_exceeds(body, MAX_JSON_DEPTH):
         raise _too_deep()
+    bad = _lone_surrogate_at(body)
+    if bad is not None:
+        raise ApiError(400, f"'{bad}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                            "which is not text.", param=bad, code="invalid_value")
     return body
 
 
@@ -88,6 +95,27 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
         children = v.values() if isinstance(v, dict) else v
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return False
+
+
+def _lone_surrogate_at(value: Any) -> str | None:
+    """The path ("messages[0].content") of the first string, key or value, that JSON's
+    \\uXXXX escapes made invalid Unicode; None when there is none (iterative)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:  # the path may hold the bad key itself: escape it
+                return (path or "body").encode("utf-8", "backslashreplace").decode()[:200]
+        elif isinstance(v, dict):
+            for k, c in v.items():
+                name = f"{path}.{k}" if path else k
+                stack.append((k, name))
+                stack.append((c, name))
+        elif isinstance(v, list):
+            stack.extend((c, f"{path}[{i}]") for i, c in enumerate(v))
+    return None
 
 
 def _type_name(v: Any) -> str:
@@ -222,7 +250,7 @@ def request_plan(llm, req: GenRequest, max_tokens: int) -> DecodePlan:
 
 def _common(f: _Fields, req: GenRequest, draft: DraftOptions) -> GenRequest:
     req.sampling = _checked(SamplingOptions, temperature=f.number("temperature", 1.0, hi=MAX_TEMPERATURE),
-                            top_k=f.integer("top_k", 0), top_p=f.number("top_p", 1.0), seed=f.integer("seed"))
+                            top_k=f.integer("top_k", 0), top_p=f.number("top_p", 1.0), seed=f.integer("seed", None, 0, MAX_SEED))
     stop = f.body.get("stop")
     if isinstance(stop, str):
         req.stop = [stop]

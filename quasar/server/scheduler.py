@@ -1,12 +1,14 @@
 """The scheduler: a bounded queue in front of one worker thread that owns the LLM and
 decodes up to `max_batch` sequences together (continuous batching).
 
-Requests wait in a FIFO queue of at most `max_queue` entries; a request that finds it full
-is refused at once (`QueueFull`, HTTP 429). Between verifier steps the worker admits
-waiting requests while sequence slots are free, and a finished or cancelled one leaves at
-once. Each verifier (w8a8, fp, ...) has its own `BatchDecoder` over its own KV cache; a step
-advances every sequence of every decoder by one verifier step (prompts are prefilled a
-bounded number of tokens per step, so a long prompt does not stall the others). A
+A request is refused at once (`QueueFull`, HTTP 429) only when every sequence slot is
+taken or promised to an earlier request and `max_queue` requests wait for a slot already:
+the batch fills before anyone is turned away. Between verifier steps the worker admits
+waiting requests (FIFO) while sequence slots are free, and a finished or cancelled one
+leaves at once. Each verifier (w8a8, fp, ...) has its own `BatchDecoder` over its own KV
+cache, at most `max_verifiers` of them (quasar.server.verifier_pool); a step advances every
+sequence of every decoder by one verifier step (prompts are prefilled a bounded number of
+tokens per step, so a long prompt does not stall the others). A
 sequence's tokens are the same whether it decodes alone or beside others
 (quasar.speculative.batch).
 
@@ -35,6 +37,7 @@ from typing import Any
 
 from quasar.errors import QuasarError
 from quasar.server.metrics import ServerMetrics
+from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS, VerifierPool
 from quasar.speculative.generate import Chunk, Result
 from quasar.speculative.options import DecodePlan
 
@@ -93,7 +96,7 @@ class _Running:
 
 class Scheduler:
     def __init__(self, llm, max_queue: int = 32, metrics: ServerMetrics | None = None,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, max_verifiers: int = DEFAULT_MAX_VERIFIERS):
         if max_queue < 1:
             raise QuasarError(f"max_queue must be at least 1, got {max_queue}")
         self.llm, self.max_queue = llm, max_queue
@@ -104,7 +107,10 @@ class Scheduler:
         self._paused = False
         self._closed = False
         self._running: dict[str, _Running] = {}  # job id -> state, in admission order
-        self._batches: dict[str, Any] = {}  # verifier name -> its BatchDecoder
+        self.pool = VerifierPool(llm, self.max_batch, max_verifiers)
+        # sequences of admitted jobs not finished yet (running or about to get a slot); with
+        # _pending, what `submit` decides by. Guarded by _cond: the worker changes it.
+        self._reserved = 0
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # see `call`
         self._holding = False  # the worker holds llm.lock (see _hold_llm)
         self.completed = 0
@@ -174,13 +180,29 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
+            if not self._room_for(job):
                 self.metrics.rejected.inc()
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._pending.append(job)
             self.metrics.waiting.set(len(self._pending))
             self._cond.notify_all()
         return job
+
+    def _room_for(self, job: Job) -> bool:
+        """Whether `job` may be queued (under _cond): it gets a slot at the next admission,
+        or fewer than `max_queue` jobs wait for one. Admission is FIFO, so once a job does
+        not fit every later one waits too."""
+        free, waiting = self.max_batch - self._reserved, 0
+        for j in (*self._pending, job):
+            if not waiting and j.n <= free:
+                free -= j.n
+            else:
+                waiting += 1
+        return waiting <= self.max_queue
+
+    def _release(self, sequences: int) -> None:
+        with self._cond:
+            self._reserved -= sequences
 
     # ------------------------------------------------------------------ worker
     def _loop(self) -> None:
@@ -230,48 +252,65 @@ class Scheduler:
         return sum(len(run.live) for run in self._running.values())
 
     def _admit(self) -> None:
-        """Take waiting jobs while sequence slots are free, and give waiting choices slots."""
+        """Give waiting choices slots, then take waiting jobs in order while slots are free."""
         while True:
+            for run in list(self._running.values()):
+                while run.next_choice < run.job.n and self._live_sequences() < self.max_batch:
+                    if not self._add_choice(run):
+                        break
             with self._cond:
                 if self._paused or not self._pending or self._live_sequences() >= self.max_batch or \
                         any(run.next_choice < run.job.n for run in self._running.values()):
-                    break
-                job = self._pending.popleft()
-                self.metrics.waiting.set(len(self._pending))
-            self._start(job)
-        for run in list(self._running.values()):
-            while run.next_choice < run.job.n and self._live_sequences() < self.max_batch:
-                if not self._add_choice(run):
-                    break
+                    return
+                job = self._pending[0]  # only this thread takes jobs: it stays the head
+            if not job.cancel.is_set():
+                try:
+                    if self.pool.acquire(job.plan.verifier, self.busy_verifiers()) is None:
+                        return  # the verifiers in use fill the pool: the job waits for one
+                except Exception as e:  # the verifier cannot be built
+                    if self._take(job):
+                        self._unstarted(job, "error", e)
+                    continue
+            if self._take(job):
+                self._start(job)
+
+    def busy_verifiers(self) -> set[str]:
+        return {run.plan.verifier for run in self._running.values()}
+
+    def _take(self, job: Job) -> bool:
+        """Move `job`, the queue's head, to the admitted; False when `stop` emptied the queue."""
+        with self._cond:
+            if not self._pending or self._pending[0] is not job:
+                return False
+            self._pending.popleft()
+            self._reserved += job.n
+            self.metrics.waiting.set(len(self._pending))
+        return True
+
+    def _unstarted(self, job: Job, kind: str, payload: Any) -> None:
+        """A taken job that ends before it runs: cancelled while queued, or failed."""
+        self._release(job.n)
+        if kind == "error":
+            self._job_failed(job, payload)
+        else:
+            self.metrics.cancelled.inc()
+            self._emit(job, kind, payload)
+        self.completed += 1
 
     def _start(self, job: Job) -> None:
         m = self.metrics
         job.started = time.perf_counter()
         m.queue_wait.observe(job.started - job.created)
         if job.cancel.is_set():  # the client left while the job was queued
-            m.cancelled.inc()
-            self._emit(job, "cancelled", None)
-            self.completed += 1
-            return
-        try:
-            self._batch(job.plan.verifier)  # builds the verifier the first time
-        except Exception as e:
-            self._job_failed(job, e)
-            self.completed += 1
+            self._unstarted(job, "cancelled", None)
             return
         m.prompt_tokens.inc(len(job.prompt_ids))
         self._running[job.id] = _Running(job, [None] * job.n)
         self._update_gauges()
 
-    def _batch(self, verifier: str):
-        if verifier not in self._batches:
-            with self.llm.lock:
-                self._batches[verifier] = self.llm.batch_decoder(verifier, list(range(self.max_batch)))
-        return self._batches[verifier]
-
     def _add_choice(self, run: _Running) -> bool:
         """Give run's next choice a slot; False when its decoder has none free or the job failed."""
-        batch = self._batch(run.plan.verifier)
+        batch = self.pool[run.plan.verifier]
         if not batch.n_free:
             return False
         index = run.next_choice
@@ -299,7 +338,7 @@ class Scheduler:
 
     def _step(self) -> None:
         """One step of every decoder with sequences in it; deliver what each sequence emitted."""
-        for batch in self._batches.values():
+        for batch in self.pool.decoders():
             if not batch.n_running:
                 continue
             self.metrics.batch_size.set(batch.n_decoding or batch.n_running)
@@ -327,6 +366,7 @@ class Scheduler:
         self._emit(job, "chunk", (index, chunk))
 
     def _choice_done(self, run: _Running, index: int, result: Result) -> None:
+        self._release(1)
         run.live.discard(index)
         run.results[index] = result
         run.partial.pop(index, None)
@@ -339,8 +379,9 @@ class Scheduler:
         """The job is over: free its slots, report `kind` once."""
         if self._running.pop(run.job.id, None) is None:
             return
+        self._release(sum(r is None for r in run.results))
         for index in run.live:
-            self._batches[run.plan.verifier].remove((run.job.id, index))
+            self.pool[run.plan.verifier].remove((run.job.id, index))
         run.live.clear()
         if kind == "error":
             self._job_failed(run.job, payload)

@@ -31,7 +31,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingOptions) -> torch.Te
     logits = logits.float()
     if params.greedy:
         return _one_hot_argmax(logits)
-    logits = logits / params.temperature
+    # Shifted so the best logit is 0, and the temperature kept a normal number of the logits'
+    # dtype: a tiny one then gives the limit (a one-hot, or uniform over tied maxima), not inf - inf.
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         logits = _keep_top_k(logits, params.top_k)
