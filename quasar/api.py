@@ -11,6 +11,7 @@ alone. One call at a time uses an LLM's verifiers (`lock`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from quasar.speculative.drafters import Drafter
 from quasar.speculative.generate import Chunk, Result
 from quasar.speculative.options import (DecodeOptions, DecodePlan, DraftOptions, SamplingOptions, check_int)
 from quasar.speculative.tree_drafter import RecyclingTable
-from quasar.speculative.verifiers import build_verifier, parse_verifier
+from quasar.speculative.verifiers import QUANTIZED, build_verifier, canonical_verifier, parse_verifier
 
 
 @dataclass
@@ -66,7 +67,7 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         if verifier is not None:
-            parse_verifier(verifier)
+            verifier = canonical_verifier(verifier)
         # The per-call defaults: `draft` (its drafter replaced by `drafter` when given).
         self.draft = (draft or DraftOptions()).replace(drafter=drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
@@ -100,8 +101,10 @@ class LLM:
     def verifier_model(self, name: str) -> Transformer:
         """The verifier `name`, built (for w8a8: quantized or loaded from the cache, its kernels
         compiled or loaded) and warmed up with one step, once."""
+        name = canonical_verifier(name)
         if name not in self._verifiers:
-            model = build_verifier(name, self._float_model, {"w8a8": self._w8a8, "w4a8": self._w4a8})
+            model = build_verifier(name, self._float_model, {"w8a8": self._w8a8, "w4a8": self._w4a8,
+                                                             "w4a8-small": self._w4a8_small})
             step_cost.install_measured(model)  # what its rows cost on this CPU (a fused W8A8 step only)
             model.setup_cache(self.max_context, n_slots=self.max_batch)
             # One step now, so one-time work (loading the int8 kernels, packing weights) is
@@ -111,11 +114,28 @@ class LLM:
             self._verifiers[name] = model
         return self._verifiers[name]
 
+    @property
+    def resident_verifiers(self) -> list[str]:
+        """The verifiers built and kept (with their KV caches), oldest first."""
+        return list(self._verifiers)
+
+    def release_verifier(self, name: str) -> None:
+        """Drop verifier `name`, its KV cache and its recycling table (a later use builds it
+        again). The caller must hold no decoder over it."""
+        name = canonical_verifier(name)
+        with self._lock:
+            model = self._verifiers.pop(name, None)
+            self._recycled.pop(name, None)
+            if model is not None:
+                model.cache = None  # the cache goes even if something still holds the model
+        if model is not None:
+            del model
+            gc.collect()  # module trees may hold reference cycles: free their memory now
+
     def prepare(self, verifier: str | None = None, progress: bool = False) -> float | None:
         """Build `verifier` (default: this LLM's) now; returns the seconds it took, or None
         when it was ready already. With `progress`, a bar on stderr while it builds."""
-        name = verifier or self.verifier
-        parse_verifier(name)
+        name = canonical_verifier(verifier or self.verifier)
         if name in self._verifiers:
             return None
         from tqdm import tqdm
@@ -155,6 +175,12 @@ class LLM:
 
         return w4a8_verifier(self.loaded)
 
+    def _w4a8_small(self) -> Transformer:
+        from quasar.quant.w4a8_layouts import SMALL
+        from quasar.quant.w4a8_verifier import w4a8_verifier
+
+        return w4a8_verifier(self.loaded, layout=SMALL)
+
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         if isinstance(prompt, str):
             if raw:
@@ -187,8 +213,7 @@ class LLM:
         """The `DecodePlan` of checked `options` on `verifier` (None: this LLM's), checked
         here, with the drafter resolved for it ("auto": `resolve_drafter`, which measures the
         W8A8 verifier's step, building it first if needed; `resolve=False` leaves "auto")."""
-        verifier = verifier or self.verifier
-        parse_verifier(verifier)
+        verifier = canonical_verifier(verifier or self.verifier)
         if not resolve:
             return DecodePlan(verifier, options)
         drafter = self.resolve_drafter(options.draft.drafter, verifier)
@@ -204,7 +229,7 @@ class LLM:
         (quasar.defaults.DEFAULT_DRAFTER)."""
         drafter = drafter or self.drafter
         trees = False
-        if drafter == AUTO and verifier in ("w8a8", "w4a8"):
+        if drafter == AUTO and verifier in QUANTIZED:
             costs = step_cost.current(self.verifier_model(verifier))
             trees = costs is not None and costs.prefers_trees
         return resolve_drafter(drafter, trees)
@@ -306,5 +331,5 @@ class LLM:
         int8 layers run the same path or, with AMX, the tiles), "pytorch" for float verifiers."""
         from quasar.quant import ext
 
-        paths = {"w8a8": ext.kernel_path, "w4a8": ext.w4a8_kernel_path}
+        paths = {"w8a8": ext.kernel_path, "w4a8": ext.w4a8_kernel_path, "w4a8-small": ext.w4a8_kernel_path}
         return paths.get(parse_verifier(verifier or self.verifier)[0], lambda: ext.PYTORCH_PATH)()

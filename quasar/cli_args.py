@@ -50,7 +50,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help=f"auto | none | ngram | tree (default {DEFAULT_DRAFTER}: tree drafts where the quantized "
                         "verifier's extra rows are cheap, on CPUs with AMX tiles, else ngram)")
     p.add_argument("--verifier", default=None,
-                   help=f"fp | w8a8 | w4a8 | pruned:F (default: {DEFAULT_VERIFIER}; a quantized checkpoint: its own)")
+                   help=f"fp | w8a8 | w4a8 | w4a8-small | pruned:F (default: {DEFAULT_VERIFIER}; a quantized "
+                        "checkpoint: its own)")
     add_draft_args(p)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
                    help="choose the draft length per step (up to k + 3) from recent acceptance")

@@ -66,13 +66,15 @@ def _check_fidelity(res: dict, md: str) -> None:
     rows = _report_rows(md, "Overall")
     for name, rec in fid["engines"].items():
         if rec.get("reference"):
-            assert rows[name]["top-1 vs fp"] == rows[name]["KL vs fp"] == "reference"
+            assert rows[name]["top-1 vs fp"] == rows[name]["KL vs fp: mean"] == rows[name]["p99"] == "reference"
         elif "top1_agreement" in rec:
             assert rec["tokens"] == fid["tokens"] == FIDELITY_TOKENS - 1  # predictions; the text is far longer
             assert 0.0 <= rec["top1_agreement"] <= 1.0 and math.isfinite(rec["kl_mean"]) and rec["kl_mean"] >= 0
             # (results.json rounds to 6 decimals, the report formats the unrounded figure)
             assert float(rows[name]["top-1 vs fp"].rstrip("%")) == pytest.approx(100 * rec["top1_agreement"], abs=0.051)
-            assert float(rows[name]["KL vs fp"]) == pytest.approx(rec["kl_mean"], rel=0.01, abs=1e-6)
+            for column, key in (("KL vs fp: mean", "kl_mean"), ("median", "kl_median"), ("p99", "kl_p99")):
+                assert float(rows[name][column]) == pytest.approx(rec[key], rel=0.01, abs=1e-6)
+            assert rec["kl_median"] <= rec["kl_p99"] <= rec["kl_max"]
         else:
             assert rows[name]["top-1 vs fp"] == "–" and rec["unavailable"]
 
@@ -417,7 +419,7 @@ def test_matched_quality_pairs_each_verifier_with_the_peers_of_its_precision():
                          "quasar": {"tokens_per_s": 60.0}, "quasar-tree": {"tokens_per_s": 80.0}},
                "peers": {"llamacpp": {"tokens_per_s": 50.0}, "llamacpp-q8": {"tokens_per_s": 20.0},
                          "llamacpp-pld-q8": {"tokens_per_s": 25.0}}}
-    w8a8 = {"model": "verifier w8a8", "top1_agreement": 0.97, "kl_mean": 0.01}
+    w8a8 = {"model": "verifier w8a8", "top1_agreement": 0.97, "kl_mean": 0.01, "kl_median": 0.004, "kl_p99": 0.1}
     fidelity = {"engines": {"ar-fp": {"reference": True}, "ar-w8a8": w8a8, "quasar": w8a8, "quasar-tree": w8a8,
                             "llamacpp": {"model": "gguf a", "top1_agreement": 0.9, "kl_mean": 0.1},
                             "llamacpp-q8": {"model": "gguf b", "unavailable": "ValueError: no"},
@@ -427,7 +429,29 @@ def test_matched_quality_pairs_each_verifier_with_the_peers_of_its_precision():
     # and no mode decodes with a 4-bit verifier, so nothing pairs with the model's own Q4 file
     assert rows == [{"verifier": "w8a8", "mode": "quasar-tree", "peer": "llamacpp-pld-q8",
                      "peer_model": "llama.cpp Q8_0 copy", "tokens_per_s_ratio": 80.0 / 25.0,
-                     "mode_fidelity": {"top1_agreement": 0.97, "kl_mean": 0.01}, "peer_fidelity": None}]
+                     "mode_fidelity": {"top1_agreement": 0.97, "kl_mean": 0.01, "kl_median": 0.004, "kl_p99": 0.1},
+                     "peer_fidelity": None, "matched": None}]
+
+
+def test_a_pair_is_matched_only_where_quasar_is_at_least_as_faithful():
+    """The fidelity rule: a W4A8 mode pairs with llama.cpp on the same file as a like-for-like
+    comparison only if its top-1 is no lower and its KL mean and median no higher."""
+    from quasar.bench.fidelity import at_least_as_faithful, matched_quality
+    from quasar.bench.runner import MODES
+
+    peer = {"top1_agreement": 0.97, "kl_mean": 0.0025, "kl_median": 0.0017, "kl_p99": 0.014}
+    better = {"top1_agreement": 0.973, "kl_mean": 0.0020, "kl_median": 0.0015, "kl_p99": 0.02}
+    assert at_least_as_faithful(better, peer) and at_least_as_faithful(peer, peer)
+    assert not at_least_as_faithful({**better, "kl_median": 0.0018}, peer)  # a lower mean is not enough
+    assert not at_least_as_faithful({**better, "top1_agreement": 0.96}, peer)
+    assert at_least_as_faithful(better, None) is None and at_least_as_faithful({**better, "kl_median": None}, peer) is None
+    overall = {"modes": {"quasar-w4a8-tree": {"tokens_per_s": 50.0}, "quasar-w4a8-small-tree": {"tokens_per_s": 60.0}},
+               "peers": {"llamacpp": {"tokens_per_s": 30.0}}}
+    small = {**better, "top1_agreement": 0.95, "kl_mean": 0.008}
+    fidelity = {"engines": {"quasar-w4a8-tree": better, "quasar-w4a8-small-tree": small, "llamacpp": peer}}
+    rows = {r["verifier"]: r for r in matched_quality(overall, fidelity, MODES)}
+    assert rows["w4a8"]["matched"] is True and rows["w4a8"]["tokens_per_s_ratio"] == pytest.approx(50 / 30)
+    assert rows["w4a8-small"]["matched"] is False  # faster, less faithful: reported, never the headline
 
 
 def test_llamacpp_logits_compared_with_themselves():

@@ -185,5 +185,6 @@ def test_eval_cli_w8a8(tiny_dir, tmp_path, capsys) -> None:
     rc, stdout, stderr = _eval(capsys, "fidelity", "--model", str(tiny_dir), "--limit", "1", "--json")
     assert rc == 0, stderr
     # the keys `quasar eval fidelity` has always printed, in their order
-    assert list(json.loads(stdout)) == ["top1_agreement", "kl_mean", "kl_max", "ppl_fp", "ppl_w8a8", "ppl_increase",
+    assert list(json.loads(stdout)) == ["top1_agreement", "kl_mean", "kl_median", "kl_p99", "kl_max", "ppl_fp",
+                                        "ppl_w8a8", "ppl_increase",
                                         "tokens", "windows", "window", "seconds_fp", "seconds_w8a8"]

@@ -14,8 +14,8 @@ from quasar.errors import QuasarError
 from quasar.models.loader import load_model
 from quasar.quant import ext
 from quasar.quant.int8 import Int8Linear
-from quasar.quant.refined_head import DEFAULT_TOP_K, RefinedHead
-from quasar.quant.w4a8_checkpoint import REFINED_HEAD
+from quasar.quant.exact_head import DEFAULT_TOP_K, ExactTopHead
+from quasar.quant.w4a8_checkpoint import EXACT_HEAD
 from quasar.quant.w4a8 import W4A8Linear
 
 IDS = [1, 504, 3136, 282, 253, 1767, 30, 378, 2143, 314, 4704, 28]
@@ -51,16 +51,19 @@ def test_checkpoint_loads_back_bit_for_bit(built, checkpoint) -> None:
     _, model = built
     config = json.loads((checkpoint / "config.json").read_text())
     qc = config["quantization_config"]
-    assert qc["quant_method"] == "quasar-w4a8" and qc["group_size"] == 32 and qc["lm_head"] == REFINED_HEAD
-    assert qc["head_top_k"] == DEFAULT_TOP_K
+    assert qc["quant_method"] == "quasar-w4a8" and qc["group_size"] == 32 and qc["lm_head"] == EXACT_HEAD
+    assert qc["head_top_k"] == DEFAULT_TOP_K and qc["head_tied"] is True
     assert config["tie_word_embeddings"] is False  # the int8 head is its own tensor
     loaded = load_model(str(checkpoint))
     assert loaded.quantized and loaded.quant_kind == "w4a8"
     back = loaded.model
-    assert back.quant_kind == "w4a8" and isinstance(back.lm_head, RefinedHead)
-    for part in ("approx", "exact"):
-        for n, t in model.lm_head.get_submodule(part).state_dict().items():
-            assert torch.equal(back.lm_head.get_submodule(part).state_dict()[n], t), (part, n)
+    assert back.quant_kind == "w4a8" and isinstance(back.lm_head, ExactTopHead)
+    for n, t in model.lm_head.approx.state_dict().items():
+        assert torch.equal(back.lm_head.approx.state_dict()[n], t), n
+    assert back.lm_head.approx.act_bits == 15 and "lm_head.exact.weight" not in back.state_dict()
+    # the exact rows are the embedding table, stored once
+    assert back.lm_head.exact.weight is back.model.embed_tokens.weight
+    assert torch.equal(back.lm_head.exact.weight, model.lm_head.exact.weight)
     layers = {n: m for n, m in back.named_modules() if isinstance(m, W4A8Linear)}
     assert len(layers) == sum(isinstance(m, W4A8Linear) for m in model.modules()) > 0
     one = next(iter(layers))
@@ -133,6 +136,7 @@ def test_bad_checkpoints_are_clear_errors(checkpoint, tmp_path) -> None:
 
     bad = tmp_path / "bad"
     shutil.copytree(checkpoint, bad)
+    (bad / "quasar-manifest.json").unlink()  # edited by hand: its manifest would (rightly) refuse it first
     config = json.loads((bad / "config.json").read_text())
     config["quantization_config"]["group_size"] = 48
     (bad / "config.json").write_text(json.dumps(config))

@@ -16,6 +16,7 @@ from quasar.models.loader import load_model
 from quasar.quant import ext
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.w4a8 import W4A8Linear
+from quasar.quant.w4a8_layouts import SMALL
 from quasar.quant.w4a8_verifier import w4a8_verifier
 
 pytestmark = pytest.mark.skipif(ext.decoder_layer_op() is None or ext.w4a8_linear_op() is None,
@@ -34,10 +35,12 @@ def test_the_kernel_paths_in_use():
 
 
 def mixed(loaded):
-    """The W4A8 verifier with some linears int8, as a Q4_K_M file's wider tensors are: within
-    q, k, v (v), within gate, up (gate) and a 15-bit down projection."""
+    """The W4A8 verifier (faithful: layer 1's v and down int8) with more linears int8, as a Q4_K_M
+    file's wider tensors are: within
+    q, k, v (v, 15-bit activations, as the faithful layout keeps it), within gate, up (gate)
+    and a 15-bit down projection."""
     model = w4a8_verifier(loaded)
-    for i, name, bits in ((0, "self_attn.v_proj", 8), (1, "mlp.gate_proj", 8), (1, "mlp.down_proj", 15)):
+    for i, name, bits in ((0, "self_attn.v_proj", 15), (1, "mlp.gate_proj", 8), (1, "mlp.down_proj", 15)):
         parent, _, child = name.rpartition(".")
         block = model.model.layers[i].get_submodule(parent)
         float_linear = loaded.model.model.layers[i].get_submodule(name)
@@ -48,13 +51,13 @@ def mixed(loaded):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, default_model_dir):
     """(arch, kind) -> (float model, W4A8 model, prompt ids); kind "w4" (every decoder linear
-    4-bit) or "mixed"."""
+    4-bit: the small layout of a float model) or "mixed"."""
     root = tmp_path_factory.mktemp("w4fused")
     out = {}
     for arch in ARCHS:
         loaded = load_model(make_tiny_model(root / arch, arch, default_model_dir, max_position_embeddings=CACHE))
         ids = loaded.tokenizer.encode(PROMPT)
-        out[arch, "w4"] = (loaded.model, w4a8_verifier(loaded), ids)
+        out[arch, "w4"] = (loaded.model, w4a8_verifier(loaded, layout=SMALL), ids)
         out[arch, "mixed"] = (loaded.model, mixed(loaded), ids)
     return out
 
@@ -142,7 +145,7 @@ def test_greedy_speculative_equals_autoregressive_through_llm(tmp_path_factory, 
 
 
 def test_default_model_w4a8_step_is_fused_and_close_to_the_modules():
-    """SmolLM2's Q4_1 file: every decoder linear 4-bit, int8 output head."""
+    """SmolLM2's Q4_1 file: every decoder linear 4-bit, the faithful head."""
     loaded = load_model("default")
     q = w4a8_verifier(loaded)
     ids = long_ids(loaded.tokenizer.encode(PROMPT))[:200]

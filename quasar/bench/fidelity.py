@@ -18,7 +18,9 @@ from quasar.bench.engine import Contender, FidelitySource
 from quasar.defaults import DEFAULT_FIDELITY_TOKENS
 from quasar.eval.fidelity import DEFAULT_WINDOW, compare_logits, fidelity_text, model_logits
 TEXT = "held-out calibration text (quasar.eval.fidelity.fidelity_text)"
-METRICS = ("top1_agreement", "kl_mean", "kl_max", "ppl", "tokens")
+METRICS = ("top1_agreement", "kl_mean", "kl_median", "kl_p99", "kl_max", "ppl", "tokens")
+# what "at least as faithful" compares: higher top-1, lower KL mean and median
+FAITHFULNESS = ("top1_agreement", "kl_mean", "kl_median")
 
 
 def _sources(engines: list[Contender]) -> tuple[dict[str, FidelitySource | None], dict[str, str]]:
@@ -111,20 +113,33 @@ MATCHED_PEERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "w8a8": (("llama.cpp Q8_0 copy", ("llamacpp-q8", "llamacpp-pld-q8")),
              ("OpenVINO int8", ("openvino", "openvino-pld"))),
     "w4a8": (("llama.cpp, the model's own file", ("llamacpp", "llamacpp-pld")),),
+    "w4a8-small": (("llama.cpp, the model's own file", ("llamacpp", "llamacpp-pld")),),
 }
 
 
 def _figures(fidelity: dict, name: str) -> dict | None:
     rec = fidelity.get("engines", {}).get(name, {})
     if rec.get("reference"):
-        return {"top1_agreement": 1.0, "kl_mean": 0.0}
-    return {k: rec[k] for k in ("top1_agreement", "kl_mean")} if "top1_agreement" in rec else None
+        return {"top1_agreement": 1.0, "kl_mean": 0.0, "kl_median": 0.0, "kl_p99": 0.0}
+    return {k: rec.get(k) for k in ("top1_agreement", "kl_mean", "kl_median", "kl_p99")} \
+        if "top1_agreement" in rec else None
+
+
+def at_least_as_faithful(mode: dict | None, peer: dict | None) -> bool | None:
+    """Whether a model with fidelity `mode` is at least as close to the float model as `peer`'s
+    on every FAITHFULNESS figure (None: not both measured)."""
+    if not mode or not peer or any(mode.get(k) is None or peer.get(k) is None for k in FAITHFULNESS):
+        return None
+    return mode["top1_agreement"] >= peer["top1_agreement"] and \
+        all(mode[k] <= peer[k] for k in FAITHFULNESS[1:])
 
 
 def matched_quality(overall: dict, fidelity: dict, modes: dict[str, tuple[str, str]]) -> list[dict]:
     """Per Quasar verifier and matched peer model: the fastest Quasar mode drafting on that
     verifier against the fastest peer on that model, tokens/s ratio and both fidelities.
-    `modes`: mode -> (drafter, verifier). Peers that did not run give no row."""
+    `modes`: mode -> (drafter, verifier). Peers that did not run give no row. ``matched`` says
+    whether the mode is at least as faithful as the peer (the fidelity rule: only then is the
+    ratio a like-for-like speed comparison; None where fidelity was not measured)."""
     def fastest(names, group):
         ran = [n for n in names if n in overall[group]]
         return max(ran, key=lambda n: overall[group][n]["tokens_per_s"], default=None)
@@ -137,7 +152,8 @@ def matched_quality(overall: dict, fidelity: dict, modes: dict[str, tuple[str, s
             if mode is None or peer is None:
                 continue
             q, p = overall["modes"][mode]["tokens_per_s"], overall["peers"][peer]["tokens_per_s"]
+            mode_fid, peer_fid = _figures(fidelity, mode), _figures(fidelity, peer)
             rows.append({"verifier": verifier, "mode": mode, "peer": peer, "peer_model": label,
-                         "tokens_per_s_ratio": q / p if q and p else None,
-                         "mode_fidelity": _figures(fidelity, mode), "peer_fidelity": _figures(fidelity, peer)})
+                         "tokens_per_s_ratio": q / p if q and p else None, "mode_fidelity": mode_fid,
+                         "peer_fidelity": peer_fid, "matched": at_least_as_faithful(mode_fid, peer_fid)})
     return rows

@@ -64,6 +64,9 @@ MODES: dict[str, tuple[str, str]] = {
     "ar-w4a8": ("none", "w4a8"),
     "quasar-w4a8": ("ngram", "w4a8"),
     "quasar-w4a8-tree": ("tree", "w4a8"),
+    "ar-w4a8-small": ("none", "w4a8-small"),
+    "quasar-w4a8-small": ("ngram", "w4a8-small"),
+    "quasar-w4a8-small-tree": ("tree", "w4a8-small"),
 }
 DEFAULT_N = 5
 DEFAULT_REPEATS = 3

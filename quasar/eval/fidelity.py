@@ -2,7 +2,8 @@
 
 On held-out text (never used for calibration) both models score the same windows; per
 predicted position we compare the next-token distributions: top-1 agreement (what
-greedy acceptance depends on), KL(float || other), and each model's perplexity.
+greedy acceptance depends on), KL(float || other) (its mean, median, 99th percentile and
+maximum: one token can decide a mean), and each model's perplexity.
 
 A model enters as a ``LogitsFn``: token ids in, one row of logits per id out, each call
 scored from an empty cache. ``model_logits`` makes one of a Quasar Transformer; the bench
@@ -68,6 +69,7 @@ class _Tally:
     def __init__(self):
         self.n = self.agree = 0
         self.kl_sum = self.kl_max = self.nll = self.seconds = 0.0
+        self.kls: list[torch.Tensor] = []  # every token's KL: a mean one token can decide needs its quantiles
 
     def add(self, ref_logp: torch.Tensor, ref_top: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
             seconds: float) -> None:
@@ -78,9 +80,13 @@ class _Tally:
             self.agree += int((ref_top[rows] == logits[rows].argmax(-1)).sum())
             self.kl_sum += float(kl.sum())
             self.kl_max = max(self.kl_max, float(kl.max()))
+            self.kls.append(kl.double().cpu())
             self.nll -= float(logp.gather(1, target[rows, None]).sum())
         self.n += target.numel()
         self.seconds += seconds
+
+    def kl_quantile(self, q: float) -> float:
+        return float(torch.quantile(torch.cat(self.kls), q))
 
 
 @torch.inference_mode()
@@ -131,6 +137,8 @@ def compare_logits(reference: LogitsFn, candidates: dict[str, LogitsFn], token_i
     return {name: {
         "top1_agreement": t.agree / t.n,
         "kl_mean": t.kl_sum / t.n,
+        "kl_median": t.kl_quantile(0.5),
+        "kl_p99": t.kl_quantile(0.99),
         "kl_max": t.kl_max,
         "ppl_fp": ppl_ref,
         "ppl": math.exp(t.nll / t.n),

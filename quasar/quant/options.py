@@ -9,6 +9,7 @@ from quasar.errors import QuasarError
 from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
 from quasar.quant.int8 import BACKEND_NAMES
 from quasar.quant.numerics import ACT_BITS
+from quasar.quant.w4a8_layouts import check_layout
 
 DEFAULT_ALPHA: float | str = "auto"
 DEFAULT_LM_HEAD = "int8"
@@ -64,6 +65,8 @@ class QuantOptions:
     # 4: the decoder layers' linears become W4A8 (symmetric int4 groups, GPTQ-rounded when
     # gptq, not smoothed: the activations are quantized per group), the head as for 8
     weight_bits: int = 8
+    # with weight_bits 4: which tensors stay int8 (quasar.quant.w4a8_layouts)
+    w4_layout: str = "faithful"
 
     def __post_init__(self) -> None:
         if self.down_act_bits not in ACT_BITS:
@@ -79,6 +82,7 @@ class QuantOptions:
                 raise QuasarError(f"{name} must be an integer >= {lo}, got {value!r}", param=name)
         if self.weight_bits not in WEIGHT_BITS:
             raise QuasarError(f"weight_bits must be one of {', '.join(map(str, WEIGHT_BITS))}, got {self.weight_bits!r}")
+        check_layout(self.w4_layout)
         if self.propagate not in PROPAGATE_CHOICES:
             raise QuasarError(f"propagate must be one of {', '.join(PROPAGATE_CHOICES)}, got {self.propagate!r}")
         object.__setattr__(self, "alpha", parse_alpha(self.alpha))
@@ -94,7 +98,7 @@ class QuantOptions:
         return {"alpha": self.alpha, "smooth_o_down": bool(self.smooth_o_down), "lm_head": self.lm_head,
                 "backend": self.backend, "gptq": bool(self.gptq), "down_act_bits": int(self.down_act_bits),
                 "rotate": bool(self.rotate), "pipeline": "sequential", "propagate": self.propagate,
-                **({"weight_bits": 4} if self.weight_bits == 4 else {})}
+                **({"weight_bits": 4, "w4_layout": self.w4_layout} if self.weight_bits == 4 else {})}
 
     def cache_key(self, calib_digest: str | None) -> dict:
         """The fields that change the weights, as the verifier cache keys them (`calib_digest`:
@@ -109,4 +113,5 @@ class QuantOptions:
             key["propagate"] = self.propagate
         if self.weight_bits != 8:
             key["weight_bits"] = self.weight_bits
+            key["w4_layout"] = self.w4_layout
         return key

@@ -6,8 +6,9 @@ that layer's input statistics and Hessians only, smooth, round with GPTQ, hand t
 layer to the sink (a checkpoint shard on disk, or a dict), then run the *quantized* layer
 to make layer i + 1's inputs. The embeddings come first and the final norm and lm_head
 last. With ``weight_bits=4`` (the W4A8 verifier of a float model) the layers are not
-smoothed and their linears become W4A8Linear, GPTQ-rounded to int4 groups; the head is as
-for W8A8. Peak memory is about one float layer, its Hessians and the activations; the float
+smoothed and their linears become W4A8Linear, GPTQ-rounded to int4 groups (in the faithful
+layout the value and down projections llama.cpp's Q4_K_M keeps in 6 bits stay int8); the head
+is as for W8A8. Peak memory is about one float layer, its Hessians and the activations; the float
 model is never built whole.
 """
 
@@ -30,7 +31,10 @@ from quasar.quant.options import QuantOptions
 from quasar.quant.smooth import (head_groups, input_owners, layer_groups, rotate_layer, rotate_rows, rotations,
                                  sample_names, smooth_groups)
 from quasar.quant.w4a8 import W4A8Linear
+from quasar.quant.w4a8_layouts import FAITHFUL, keeps_wider
 from quasar.quant.w4a8_numerics import W4A8_GROUP, symmetric_as_affine
+
+WIDE_ACT_BITS = 15  # activations of the int8 linears a faithful 4-bit model keeps
 
 Sink = Callable[[dict[str, Tensor]], None]  # receives each finished part's tensors (HF names)
 
@@ -93,20 +97,32 @@ def _w4(linear: nn.Linear, rounded: tuple[Tensor, Tensor] | None) -> W4A8Linear:
 
 
 def _quantize_linears(root: nn.Module, prefix: str, groups, all_groups, stats, opts: QuantOptions,
-                      chosen: dict[str, float | None], four_bit: bool = False) -> None:
+                      chosen: dict[str, float | None], four_bit: bool = False, wide: frozenset = frozenset()) -> None:
     """Smooth ``groups`` (the enabled ones), round every linear under ``root`` (GPTQ where it
-    has a Hessian) and swap it for an Int8Linear in place (``four_bit``: a W4A8Linear)."""
+    has a Hessian) and swap it for an Int8Linear in place (``four_bit``: a W4A8Linear, but for
+    the names in ``wide``, which stay int8 with WIDE_ACT_BITS activations)."""
     scales: dict[str, Tensor] = {}
     chosen.update(smooth_groups(groups, stats, opts.alpha, scales_out=scales))
     linears = {prefix + n: m for n, m in root.named_modules() if isinstance(m, nn.Linear)}
-    rounded = gptq_weights(linears, input_owners(all_groups), stats.hessians, scales,
-                           group=W4A8_GROUP if four_bit else None) if opts.gptq else {}
+    four = {n: m for n, m in linears.items() if four_bit and n not in wide}
+    rounded: dict = {}
+    for part, group in ((four, W4A8_GROUP), ({n: m for n, m in linears.items() if n not in four}, None)):
+        if opts.gptq and part:
+            rounded.update(gptq_weights(part, input_owners(all_groups), stats.hessians, scales, group=group))
     modules = dict(root.named_modules())
     for name, lin in linears.items():
         parent, _, child = name[len(prefix):].rpartition(".")
-        bits = opts.down_act_bits if name.endswith("mlp.down_proj") else 8
-        new = _w4(lin, rounded.get(name)) if four_bit else _int8(lin, rounded.get(name), opts.backend, bits)
+        bits = WIDE_ACT_BITS if name in wide else opts.down_act_bits if name.endswith("mlp.down_proj") else 8
+        new = _w4(lin, rounded.get(name)) if name in four else _int8(lin, rounded.get(name), opts.backend, bits)
         setattr(modules[parent] if parent else root, child, new)
+
+
+def _wide_linears(layer: nn.Module, prefix: str, index: int, cfg: ModelConfig, opts: QuantOptions) -> frozenset:
+    """The linears of a 4-bit layer that the faithful layout keeps int8 (w4a8_layouts.keeps_wider)."""
+    if opts.weight_bits != 4 or opts.w4_layout != FAITHFUL:
+        return frozenset()
+    return frozenset(prefix + n for n, m in layer.named_modules()
+                     if isinstance(m, nn.Linear) and keeps_wider(n, index, cfg.num_layers))
 
 
 def _collector(groups, all_groups, opts: QuantOptions, n_windows: int) -> StatsCollector:
@@ -146,7 +162,7 @@ def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[i
         float_out = data.run(layer, collector)
         stats = collector.finish()
         _quantize_linears(layer, f"model.layers.{i}.", groups, all_groups, stats, opts, chosen,
-                          four_bit=opts.weight_bits == 4)
+                          four_bit=opts.weight_bits == 4, wide=_wide_linears(layer, f"model.layers.{i}.", i, cfg, opts))
         data.hidden = data.run(layer) if opts.propagate == "quantized" else float_out
         sink({f"model.layers.{i}.{n}": t for n, t in layer.state_dict().items()})
         del layer, float_out, stats

@@ -10,11 +10,17 @@ loader's strict state-dict load checks every tensor:
 - an 8-bit layer (``Int8Linear``: a float model's output head; in checkpoints written before
   session 24, also a Q4_K_M file's Q6_K tensors and the GGUF's head): ``NAME.weight`` int8
   [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's;
-- a GGUF's output head (``RefinedHead``, quasar.quant.refined_head): ``lm_head.approx.*`` as a
-  4-bit layer and ``lm_head.exact.*`` as an 8-bit one, with ``head_top_k`` in the config.
+- a GGUF's output head in the small layout (``RefinedHead``, quasar.quant.refined_head):
+  ``lm_head.approx.*`` as a 4-bit layer and ``lm_head.exact.*`` as an 8-bit one, with
+  ``head_top_k`` in the config;
+- a GGUF's output head in the faithful layout (``ExactTopHead``, quasar.quant.exact_head):
+  ``lm_head.approx.*`` as an 8-bit layer (15-bit activations) and, unless ``head_tied`` (the
+  rows are then the embedding table's), ``lm_head.exact.weight`` float32, with ``head_top_k``.
 
 ``quantization_config`` is ``{"quant_method": "quasar-w4a8", "version", "group_size",
-"down_act_bits", "lm_head", "source"}`` (and ``head_top_k`` for a refined head). The affine groups carry float offsets (GGUF's Q4_K
+"down_act_bits", "lm_head", "source"}`` (and ``head_top_k`` / ``head_tied`` for a refined or
+exact head, ``int8_act_bits`` where the other int8 layers take 15-bit activations).
+The affine groups carry float offsets (GGUF's Q4_K
 minimums), which compressed-tensors' integer zero points cannot hold, so the format is our
 own and vLLM does not read it; the W8A8 export stays the interop path.
 """
@@ -30,6 +36,7 @@ from torch import nn
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.quant import fused_step
+from quasar.quant.exact_head import ExactTopHead
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.numerics import ACT_BITS
 from quasar.quant.refined_head import RefinedHead
@@ -39,6 +46,7 @@ from quasar.quant.w4a8_numerics import GROUP_SIZES, SCALE_DTYPE
 QUANT_METHOD = "quasar-w4a8"
 FORMAT_VERSION = 1
 REFINED_HEAD = "w4a8-refined-int8"  # quantization_config's lm_head for a RefinedHead
+EXACT_HEAD = "int8-exact-top"  # ... and for an ExactTopHead
 
 
 def w4a8_config(model: Transformer, info: dict) -> dict:
@@ -46,18 +54,30 @@ def w4a8_config(model: Transformer, info: dict) -> dict:
     groups = {m.group for m in model.modules() if isinstance(m, W4A8Linear)}
     if len(groups) != 1:
         raise QuasarError(f"a W4A8 checkpoint holds one group size; this model has {sorted(groups) or 'none'}")
-    down = {m.act_bits for n, m in model.named_modules() if isinstance(m, Int8Linear) and n.endswith("mlp.down_proj")}
+    layers = {n: m.act_bits for n, m in model.model.named_modules() if isinstance(m, Int8Linear)}
+    down = {bits for n, bits in layers.items() if n.endswith("mlp.down_proj")}
+    other = {bits for n, bits in layers.items() if not n.endswith("mlp.down_proj")}
+    if len(other) > 1:
+        raise QuasarError(f"a W4A8 checkpoint runs its int8 layers at one activation precision; this model has "
+                          f"{sorted(other)}")
     head = model.lm_head
     kind = "int8" if isinstance(head, Int8Linear) else "w4a8" if isinstance(head, W4A8Linear) \
-        else REFINED_HEAD if isinstance(head, RefinedHead) else "float"
-    top_k = {"head_top_k": head.top_k} if isinstance(head, RefinedHead) else {}
-    return w4a8_config_of(model.config, groups.pop(), max(down, default=8), kind, info, **top_k)
+        else REFINED_HEAD if isinstance(head, RefinedHead) else EXACT_HEAD if isinstance(head, ExactTopHead) \
+        else "float"
+    extra = {"head_top_k": head.top_k} if isinstance(head, (RefinedHead, ExactTopHead)) else {}
+    if isinstance(head, ExactTopHead):
+        extra["head_tied"] = head.tied
+    return w4a8_config_of(model.config, groups.pop(), max(down, default=8), kind, info,
+                          int8_act_bits=max(other, default=8), **extra)
 
 
-def w4a8_config_of(cfg, group: int, down_act_bits: int, head: str, info: dict, head_top_k: int | None = None) -> dict:
+def w4a8_config_of(cfg, group: int, down_act_bits: int, head: str, info: dict, head_top_k: int | None = None,
+                   int8_act_bits: int = 8, head_tied: bool | None = None) -> dict:
     """config.json of a W4A8 checkpoint of a model with config ``cfg`` (a ModelConfig): its
     config (an int8 or 4-bit head unties it) and the ``quantization_config`` of the module
-    docstring, ``info`` (e.g. the source) added."""
+    docstring, ``info`` (e.g. the source) added. ``int8_act_bits``: the activations of the int8
+    layers other than the down projections; ``head_tied``: an exact head reads its rows from
+    the embedding table."""
     if head != "float":
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     config = cfg.to_hf()
@@ -66,6 +86,10 @@ def w4a8_config_of(cfg, group: int, down_act_bits: int, head: str, info: dict, h
                                      "down_act_bits": down_act_bits, "lm_head": head, **info}
     if head_top_k is not None:
         config["quantization_config"]["head_top_k"] = head_top_k
+    if int8_act_bits != 8:
+        config["quantization_config"]["int8_act_bits"] = int8_act_bits
+    if head_tied is not None:
+        config["quantization_config"]["head_tied"] = bool(head_tied)
     return config
 
 
@@ -82,8 +106,9 @@ def save_w4a8_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str
     return _write_one_shard(Path(out), config, tensors, Path(tokenizer_dir), exist_ok)
 
 
-def _check_config(qc: dict) -> tuple[int, int]:
+def _check_config(qc: dict) -> tuple[int, int, int]:
     version, group, down = qc.get("version"), qc.get("group_size"), qc.get("down_act_bits", 8)
+    other = qc.get("int8_act_bits", 8)
     if version != FORMAT_VERSION:
         raise QuasarError(f"W4A8 checkpoint format version {version!r} is not supported (this Quasar reads "
                           f"{FORMAT_VERSION}); quantize the model again")
@@ -91,7 +116,9 @@ def _check_config(qc: dict) -> tuple[int, int]:
         raise QuasarError(f"W4A8 checkpoint: group_size {group!r} is not one of {', '.join(map(str, GROUP_SIZES))}")
     if down not in ACT_BITS:
         raise QuasarError(f"W4A8 checkpoint: down_act_bits {down!r} is not one of {', '.join(map(str, ACT_BITS))}")
-    return group, down
+    if other not in ACT_BITS:
+        raise QuasarError(f"W4A8 checkpoint: int8_act_bits {other!r} is not one of {', '.join(map(str, ACT_BITS))}")
+    return group, down, other
 
 
 def _head_top_k(qc: dict) -> int:
@@ -109,11 +136,22 @@ def _expect(tensors: dict, key: str, dtype: torch.dtype) -> None:
         raise QuasarError(f"W4A8 checkpoint: {key} is {t.dtype}, expected {dtype}")
 
 
+def _exact_head(model: Transformer, head: nn.Linear, quant_config: dict, tensors: dict) -> ExactTopHead:
+    tied = quant_config.get("head_tied")
+    if not isinstance(tied, bool):
+        raise QuasarError(f"W4A8 checkpoint: an exact lm_head needs head_tied true or false, got {tied!r}")
+    _expect(tensors, "lm_head.approx.weight", torch.int8)
+    if not tied:
+        _expect(tensors, "lm_head.exact.weight", torch.float32)
+    return ExactTopHead(head.in_features, head.out_features, _head_top_k(quant_config),
+                        tied=model.model.embed_tokens if tied else None, device="meta")
+
+
 def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) -> int:
     """Swap the (meta-device) model's quantized ``nn.Linear``s for ``W4A8Linear`` (where the
     checkpoint has ``NAME.qweight``) or ``Int8Linear`` (an int8 ``NAME.weight``) before the
     loader's strict state-dict load; returns how many were swapped."""
-    group, down_bits = _check_config(quant_config)
+    group, down_bits, other_bits = _check_config(quant_config)
     modules = dict(model.named_modules())
     swapped = 0
     for name, module in list(modules.items()):
@@ -124,6 +162,8 @@ def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) 
             _expect(tensors, "lm_head.exact.weight", torch.int8)
             new: nn.Module = RefinedHead(module.in_features, module.out_features, _head_top_k(quant_config),
                                          group, device="meta")
+        elif name == "lm_head" and quant_config.get("lm_head") == EXACT_HEAD:
+            new = _exact_head(model, module, quant_config, tensors)
         elif f"{name}.qweight" in tensors:
             _expect(tensors, f"{name}.qweight", torch.uint8)
             for part in ("scales", "offsets"):
@@ -132,7 +172,8 @@ def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) 
         elif f"{name}.weight_scale" in tensors:
             _expect(tensors, f"{name}.weight", torch.int8)
             new = Int8Linear(module.in_features, module.out_features, bias=bias, device="meta",
-                             act_bits=down_bits if name.endswith("mlp.down_proj") else 8)
+                             act_bits=down_bits if name.endswith("mlp.down_proj")
+                             else other_bits if name.startswith("model.layers.") else 8)
         else:
             continue
         if name == "lm_head" and model.config.tie_word_embeddings:

@@ -1,31 +1,32 @@
-"""The W4A8 verifier (issue #34): every decoder linear in 4-bit groups, the output head 4-bit
-with its largest logits recomputed in int8.
+"""The W4A8 verifier (``--verifier w4a8``): a 4-bit GGUF's own groups as W4A8 layers, every
+tensor the file keeps wider at no less than its own precision.
 
 A model that comes as a 4-bit GGUF is, dequantized, the float model Quasar decodes and
 measures against. Its Q4_0 / Q4_1 / Q4_K tensors are already affine int4 groups of 32
 (quasar.models.gguf_groups), so they become ``W4A8Linear`` layers holding those weights:
 rounding them again would lose twice. (Exactly for Q4_0 and Q4_1; Q4_K's two-level scales,
-a float16 times a 6-bit integer, are rounded once to the float16 the kernels stream.) The
-layer tensors the file keeps wider (a Q4_K_M file's Q6_K half of the value and down
-projections; every layer of a Q8_0 or float GGUF) are fitted to affine int4 groups of 32
-(``fit_weight_w4_affine``, llama.cpp's weighted fit of a Q4_K block). At 1.5B that streams
-1053 MB a step instead of 1127 (those tensors int8, as until session 24), for 96.0% top-1 and
-KL 0.0066 against the float model where int8 gave 96.6% and 0.0036 and llama.cpp's own
-Q4_K_M file 97.7% and 0.0091 (issue #34 asks for >= 95% and below Q4_K_M's KL). The output
-head is a ``RefinedHead`` (quasar.quant.refined_head): 4-bit fitted groups for every logit,
-the top 64 of each row recomputed from the int8 head, which is read only at those rows. At
-1.5B that is 965 MB a step, for 96.0% and KL 0.0072 (the int8 head: 1053 MB, 0.0066; 4-bit
-alone: 94.1%, 0.0129). A GGUF's build fits the head too (44.6 s at 1.5B instead of 33.5).
+a float16 times a 6-bit integer, are rounded once to the float16 the kernels stream.)
+
+What happens to the rest is the layout (quasar.quant.w4a8_layouts). ``faithful``, the
+default: the layer tensors the file keeps wider (a Q4_K_M file's Q6_K half of the value and
+down projections; every layer of a Q8_0 or float GGUF) stay int8 with 15-bit activations, and
+the head is an ``ExactTopHead`` (int8 logits, the likeliest recomputed from the float rows).
+``small`` (``--verifier w4a8-small``): those tensors fitted to affine int4 groups
+(``fit_weight_w4_affine``, llama.cpp's weighted fit of a Q4_K block) and a ``RefinedHead``
+(4-bit logits, the likeliest from the int8 head): fewer bytes a step, less faithful.
+BENCHMARKS.md has both layouts' fidelity beside llama.cpp's on the same file.
+
 A model given as a float directory has no 4-bit groups: it goes through the W8A8 verifier's
 sequential pipeline with ``weight_bits=4`` (quasar.quant.sequential: rotated, each layer's
 linears GPTQ-rounded to symmetric int4 groups of 32 against their calibrated inputs, not
-smoothed; the output head int8).
+smoothed; in the faithful layout the tensors llama.cpp's Q4_K_M keeps in 6 bits stay int8;
+the output head int8).
 
 A GGUF's groups are built from the memory-mapped float weights and the file, a layer at a
-time (nothing is calibrated: seconds for the default model, about half a minute at 1.5B);
-either way the result is written to ``$QUASAR_CACHE/w4a8/`` as a W4A8 checkpoint
-(quasar.quant.w4a8_checkpoint) a part at a time, keyed like the W8A8 cache, so later runs
-load it; ``quasar quantize --bits 4`` writes the same checkpoint.
+time (nothing is calibrated); either way the result is written to ``$QUASAR_CACHE/w4a8/`` as
+a W4A8 checkpoint (quasar.quant.w4a8_checkpoint) a part at a time, keyed like the W8A8 cache
+and by the layout, so later runs load it; ``quasar quantize --bits 4`` writes the same
+checkpoint.
 """
 
 from __future__ import annotations
@@ -42,16 +43,25 @@ from torch import nn
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
+from quasar.quant.exact_head import ExactTopHead
+from quasar.quant.int8 import Int8Linear
 from quasar.quant.refined_head import DEFAULT_TOP_K, RefinedHead
 from quasar.quant.w4a8 import W4A8Linear
-from quasar.quant.w4a8_checkpoint import REFINED_HEAD
+from quasar.quant.w4a8_checkpoint import EXACT_HEAD, REFINED_HEAD
+from quasar.quant.w4a8_layouts import FAITHFUL, SMALL, check_layout
 from quasar.quant.w4a8_numerics import W4A8_GROUP as GROUP  # the verifier's group size
 from quasar.quant.w4a8_numerics import fit_weight_w4_affine
 
-# What build_w4a8 makes, named in the cache key: change it when the recipe changes, so old
-# cache entries are not taken for the new verifier.
-RECIPE = "gguf-int4-groups, wider layer tensors fitted to int4 groups, 4-bit head refined by int8, float16 group params, v4"
+# What build_w4a8 makes of a GGUF, per layout, named in the cache key: change it when a recipe
+# changes, so old cache entries are not taken for the new verifier.
+RECIPES = {
+    FAITHFUL: "gguf-int4-groups, wider layer tensors int8 with 15-bit activations, int8 head (15-bit) with its "
+              "top-k exact in float64, float16 group params, v5",
+    SMALL: "gguf-int4-groups, wider layer tensors fitted to int4 groups, 4-bit head refined by int8, float16 group "
+           "params, v4",
+}
 HEAD_TOP_K = DEFAULT_TOP_K
+WIDE_ACT_BITS = 15  # activations of the faithful layout's int8 layers (per token: 15 bits for 8-bit blocks)
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj")
 
@@ -106,27 +116,28 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def cache_path(loaded) -> Path:
-    """The cache entry of `loaded`'s W4A8 verifier, keyed like W8A8's (the model directory's
-    identity, quasar.quant.verifier.cache_key) and by the GGUF file its 4-bit groups are read
-    from, the recipe and the W4A8 format."""
+def cache_path(loaded, layout: str = FAITHFUL) -> Path:
+    """The cache entry of `loaded`'s W4A8 verifier in `layout`, keyed like W8A8's (the model
+    directory's identity, quasar.quant.verifier.cache_key) and by the GGUF file its 4-bit groups
+    are read from, the layout's recipe and the W4A8 format."""
+    from quasar.cache.keys import file_key
     from quasar.quant import verifier
     from quasar.quant.w4a8_checkpoint import FORMAT_VERSION
 
     gguf = gguf_source(loaded)
-    gguf_id = [str(gguf.resolve()), gguf.stat().st_size, gguf.stat().st_mtime_ns] if gguf is not None else None
-    key = {"gguf": gguf_id, "recipe": RECIPE, "w4a8_format": FORMAT_VERSION}
+    gguf_id = file_key(gguf) if gguf is not None else None  # by content, not path
+    key = {"gguf": gguf_id, "recipe": RECIPES[check_layout(layout)], "w4a8_format": FORMAT_VERSION}
     if gguf is None:  # calibrated: the pipeline's options are part of the recipe
-        key["options"] = float_source_options().cache_key(None)
+        key = {"gguf": None, "w4a8_format": FORMAT_VERSION, "options": float_source_options(layout).cache_key(None)}
     return verifier.cache_path(Path(loaded.model_dir), torch.float32, key, kind="w4a8")
 
 
-def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:
+def w4a8_verifier(loaded, *, cache: bool = True, layout: str = FAITHFUL) -> Transformer:
     """The W4A8 Transformer of `loaded` (a LoadedModel of a float directory or GGUF file, or
-    a W4A8 checkpoint, given as it is): loaded from the cache when built before, else written
-    there part by part (``write_w4a8_checkpoint``) and loaded from it, memory-mapped. Without
-    a cache, or when it cannot be written (a read-only or full disk only warns), built in
-    memory (``build_w4a8``)."""
+    a W4A8 checkpoint, given as it is) in `layout` (quasar.quant.w4a8_layouts): loaded from the
+    cache when built before, else written there part by part (``write_w4a8_checkpoint``) and
+    loaded from it, memory-mapped. Without a cache, or when it cannot be written (a read-only
+    or full disk only warns), built in memory (``build_w4a8``)."""
     from quasar.models.hf import load_hf_dir
 
     if loaded.quantized:
@@ -134,7 +145,7 @@ def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:
             raise QuasarError(f"{loaded.source} is a W8A8 checkpoint; the w4a8 verifier needs the float model "
                               "(its directory or GGUF file) or a W4A8 checkpoint", param="verifier")
         return loaded.model
-    target = cache_path(loaded) if cache else None
+    target = cache_path(loaded, layout) if cache else None
     if target is not None and (target / "config.json").is_file():
         try:
             return load_hf_dir(target, torch.float32)
@@ -143,24 +154,25 @@ def w4a8_verifier(loaded, *, cache: bool = True) -> Transformer:
             shutil.rmtree(target, ignore_errors=True)
     if target is not None:
         try:
-            write_w4a8_checkpoint(loaded, target, {"source": str(loaded.source)}, exist_ok=True)
+            write_w4a8_checkpoint(loaded, target, {"source": str(loaded.source)}, exist_ok=True, layout=layout)
             return load_hf_dir(target, torch.float32)
         except OSError as e:
             print(f"warning: could not cache the W4A8 model in {target} ({e}); building it in memory",
                   file=sys.stderr)
-    return build_w4a8(loaded)
+    return build_w4a8(loaded, layout)
 
 
-def float_source_options():
+def float_source_options(layout: str = FAITHFUL):
     """How a float directory becomes the W4A8 verifier: the sequential pipeline's defaults
-    (rotation, GPTQ, the built-in calibration text) with 4-bit layers."""
+    (rotation, GPTQ, the built-in calibration text) with 4-bit layers; in the faithful layout
+    the tensors llama.cpp's Q4_K_M keeps wider stay int8 (quasar.quant.w4a8_layouts)."""
     from quasar.quant.options import QuantOptions
 
-    return QuantOptions(weight_bits=4)
+    return QuantOptions(weight_bits=4, w4_layout=check_layout(layout))
 
 
 def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = False, progress: bool = False,
-                          options=None, calib_text: str | None = None) -> dict:
+                          options=None, calib_text: str | None = None, layout: str = FAITHFUL) -> dict:
     """Write the W4A8 checkpoint of `loaded` (a float directory or GGUF file) to `out`
     (quasar.quant.w4a8_checkpoint), one shard per part as it is made, so memory holds one
     float layer (or the embeddings) at a time; `out` appears only once complete. Returns its
@@ -173,22 +185,23 @@ def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = Fal
     if gguf_source(loaded) is None:
         from quasar.quant.quantize import quantize_to_dir
 
-        return quantize_to_dir(loaded.model_dir, loaded.tokenizer, out, options=options or float_source_options(),
-                               calib_text=calib_text, progress=progress, exist_ok=exist_ok)
+        return quantize_to_dir(loaded.weights_dir(), loaded.tokenizer, out,
+                               options=options or float_source_options(layout), calib_text=calib_text,
+                               progress=progress, exist_ok=exist_ok)
     written: dict = {}
 
     def fill(tmp: Path) -> None:
         writer = ShardWriter(tmp, loaded.config.num_layers + 2)  # embeddings, each layer, norm + head
-        written.update(_w4a8_parts(loaded, writer.add, info, progress))
+        written.update(_w4a8_parts(loaded, writer.add, info, progress, layout))
         writer.finish(written, Path(loaded.model_dir))
 
     atomic_dir(Path(out), fill, exist_ok)
     return written
 
 
-def build_w4a8(loaded) -> Transformer:
+def build_w4a8(loaded, layout: str = FAITHFUL) -> Transformer:
     """The W4A8 Transformer of `loaded` (a float directory or GGUF file), built in memory
-    (RECIPE; ``write_w4a8_checkpoint`` streams the same tensors to disk)."""
+    (RECIPES[layout]; ``write_w4a8_checkpoint`` streams the same tensors to disk)."""
     from quasar.models.config import ModelConfig
     from quasar.models.hf import build_model
 
@@ -196,44 +209,63 @@ def build_w4a8(loaded) -> Transformer:
         from quasar.models.tensors import SafetensorsSource
         from quasar.quant.quantize import build_w8a8
 
-        return build_w8a8(SafetensorsSource(loaded.model_dir), loaded.tokenizer, cfg=loaded.config,
-                          options=float_source_options(), progress=False)
+        return build_w8a8(SafetensorsSource(loaded.weights_dir()), loaded.tokenizer, cfg=loaded.config,
+                          options=float_source_options(layout), progress=False)
     tensors: dict[str, torch.Tensor] = {}
-    config = _w4a8_parts(loaded, tensors.update, {"source": str(loaded.source)})
+    config = _w4a8_parts(loaded, tensors.update, {"source": str(loaded.source)}, layout=layout)
     return build_model(ModelConfig.from_hf(config), tensors, "w4a8", torch.float32, config["quantization_config"])
 
 
-def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool = False) -> dict:
-    """Make the W4A8 model of a GGUF source's 4-bit groups, its tensors (Hugging Face names)
-    part by part into `sink`: the embeddings, each decoder layer (read from the memory-mapped
-    float weights, its linears replaced as RECIPE says), the final norm with the int8 head.
-    Returns the config.json."""
+def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool = False,
+                layout: str = FAITHFUL) -> dict:
+    """Make the W4A8 model of a GGUF source's 4-bit groups in `layout`, its tensors (Hugging
+    Face names) part by part into `sink`: the embeddings, each decoder layer (read from the
+    memory-mapped float weights, its linears replaced as RECIPES[layout] says), the final norm
+    with the head. Returns the config.json."""
     from tqdm import tqdm
 
     from quasar.models.tensors import SafetensorsSource
     from quasar.quant.sequential import float_layer
     from quasar.quant.w4a8_checkpoint import w4a8_config_of
 
-    cfg = loaded.config
-    source = SafetensorsSource(loaded.model_dir)
+    cfg, faithful = loaded.config, check_layout(layout) == FAITHFUL
+    source = SafetensorsSource(loaded.weights_dir())
     groups = gguf_int4_groups(gguf_source(loaded), cfg)
     sink({"model.embed_tokens.weight": source.get("model.embed_tokens.weight").float()})
+    wide = False  # whether any layer tensor stays int8 (the config records their activations)
     with torch.no_grad():  # not inference_mode: the tensors become a model's parameters
         for i in tqdm(range(cfg.num_layers), desc="W4A8 layers", unit="layer", file=sys.stderr,
                       disable=not progress, leave=False):
             layer = float_layer(source, cfg, i)
             for name in LAYER_LINEARS:
-                linear = layer.get_submodule(name)
                 found = groups.pop(f"model.layers.{i}.{name}.weight", None)
-                # a tensor the file keeps wider than 4 bits: fitted to 4-bit groups (RECIPE)
-                q, scale, offset = found() if found is not None else fit_weight_w4_affine(linear.weight, GROUP)
-                _set(layer, name, W4A8Linear.from_groups(q, scale, offset, GROUP, linear.bias))
+                _set(layer, name, _layer_linear(layer.get_submodule(name), found, faithful))
+                wide = wide or found is None
             sink({f"model.layers.{i}.{n}": t for n, t in layer.state_dict().items()})
             del layer
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in source
-        # the stored (memory-mapped) weight as it is: both quantizers widen it a block at a time
-        head = RefinedHead.from_float(source.get("model.embed_tokens.weight" if tied else "lm_head.weight"),
-                                      HEAD_TOP_K, GROUP)  # untied: the embedding stays float
+        # the stored (memory-mapped) weight as it is: the quantizers widen it a block at a time
+        weight = source.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        if faithful:  # a tied head reads its exact rows from the embedding table, stored once
+            head: nn.Module = ExactTopHead.from_float(weight, HEAD_TOP_K, tied=tied)
+        else:  # untied: the embedding stays float
+            head = RefinedHead.from_float(weight, HEAD_TOP_K, GROUP)
         sink({"model.norm.weight": source.get("model.norm.weight").float(),
               **{f"lm_head.{n}": t for n, t in head.state_dict().items()}})
+    if faithful:
+        bits = WIDE_ACT_BITS if wide else 8
+        return w4a8_config_of(cfg, GROUP, bits, EXACT_HEAD, info, head_top_k=HEAD_TOP_K, int8_act_bits=bits,
+                              head_tied=tied)
     return w4a8_config_of(cfg, GROUP, 8, REFINED_HEAD, info, head_top_k=HEAD_TOP_K)
+
+
+def _layer_linear(linear: nn.Linear, groups: Callable[[], tuple] | None, faithful: bool) -> nn.Module:
+    """A decoder linear of the W4A8 model: the file's own 4-bit groups where it has them; a
+    tensor the file keeps wider stays int8 (faithful) or is fitted to 4-bit groups (small)."""
+    if groups is not None:
+        q, scale, offset = groups()
+    elif faithful:
+        return Int8Linear.from_float(linear, act_bits=WIDE_ACT_BITS)
+    else:
+        q, scale, offset = fit_weight_w4_affine(linear.weight, GROUP)
+    return W4A8Linear.from_groups(q, scale, offset, GROUP, linear.bias)

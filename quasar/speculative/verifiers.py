@@ -2,7 +2,8 @@
 
 Each verifier is its own Transformer (its own KV cache); `pruned:F` shares the float
 model's weights, `w8a8` is an int8 copy of the same module tree, `w4a8` one with 4-bit
-layers where the model's file has them (quasar.quant.w4a8_verifier).
+layers where the model's file has them (quasar.quant.w4a8_verifier), `w4a8-small` the same
+with fewer bytes a step and less fidelity (quasar.quant.w4a8_layouts).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from torch import nn
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 
-VERIFIERS = ("fp", "w8a8", "w4a8", "pruned:F")
+VERIFIERS = ("fp", "w8a8", "w4a8", "w4a8-small", "pruned:F")
+QUANTIZED = ("w8a8", "w4a8", "w4a8-small")  # built from the model file, never from the float model
 
 
 def parse_verifier(name: str) -> tuple[str, float | None]:
     """'fp' -> ('fp', None); 'pruned:0.5' -> ('pruned', 0.5); anything else is an error."""
-    if name in ("fp", "w8a8", "w4a8"):
+    if name == "fp" or name in QUANTIZED:
         return name, None
     if name.startswith("pruned:"):
         try:
@@ -33,6 +35,13 @@ def parse_verifier(name: str) -> tuple[str, float | None]:
                               param="verifier")
         return "pruned", frac
     raise QuasarError(f"unknown verifier {name!r}; choose one of {', '.join(VERIFIERS)}", param="verifier")
+
+
+def canonical_verifier(name: str) -> str:
+    """The one spelling of verifier `name`: 'pruned:0.50', 'pruned:5e-1' -> 'pruned:0.5'.
+    Verifiers are kept by name, so two spellings of one must not build two models."""
+    kind, frac = parse_verifier(name)
+    return kind if frac is None else f"pruned:{frac:.15g}"
 
 
 def kept_layers(n_layers: int, fraction: float) -> list[int]:
