@@ -85,7 +85,7 @@ def test_w4a8_logits_follow_the_float_model(default_w4a8, default_w4a8_small) ->
 
 def test_the_exact_head_recomputes_its_top_logits_from_the_float_rows() -> None:
     """ExactTopHead: each row's logits are the int8 head's, except those at least its top_k-th
-    largest (ties included), which are float64 dot products with the float rows; a row alone
+    largest (ties included), which are dot products with the float rows summed in float64; a row alone
     gives the same bits as in a batch; stored rows and tied rows; a bad top_k is a clear error."""
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(300, 64, generator=gen)

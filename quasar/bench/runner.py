@@ -467,7 +467,9 @@ def _progress(total: int, enabled: bool):
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
 
-def _gguf_source(cfg: BenchConfig) -> tuple[Path | None, str]:
+def gguf_source(cfg) -> tuple[Path | None, str]:
+    """The GGUF file llama.cpp peers read for `cfg` (a BenchConfig or ServingConfig: its
+    `gguf`, else its `model` when that is a GGUF file or "default"), or None and why not."""
     if cfg.gguf:
         return Path(cfg.gguf).expanduser(), ""
     if cfg.model == "default":
@@ -567,7 +569,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     torch.set_num_threads(threads)
     llm = LLM(cfg.model, dtype=cfg.dtype, threads=threads)
     prompts, warnings = load_prompts(cfg, llm)
-    gguf_path, why_no_gguf = _gguf_source(cfg)
+    gguf_path, why_no_gguf = gguf_source(cfg)
 
     bandwidths = [bw.measure_read_bandwidth(cfg.bandwidth_bytes, cfg.bandwidth_repeats, threads)]
 

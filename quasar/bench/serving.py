@@ -125,20 +125,6 @@ def serving_prompts(cfg: ServingConfig) -> list[ServingPrompt]:
     return out
 
 
-def gguf_for(cfg: ServingConfig) -> tuple[Path | None, str]:
-    """llama-server's model file, or None and why there is none."""
-    if cfg.gguf:
-        return Path(cfg.gguf).expanduser(), ""
-    if cfg.model == "default":
-        from quasar.data.packages import default_model_path
-
-        return default_model_path(), ""
-    path = Path(cfg.model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path, ""
-    return None, "the model is a Hugging Face directory, not a GGUF file (give one with --gguf)"
-
-
 def time_server(spec, prompts: list[ServingPrompt], cfg: ServingConfig, log_dir: Path,
                 concurrency: tuple[int, ...]) -> dict:
     """A server through every concurrency: a fresh process per phase, a warm-up request,
@@ -253,7 +239,9 @@ def run_serving(cfg: ServingConfig) -> dict:
     if not prompts:
         raise QuasarError("no prompts to send")
     threads = cfg.threads or torch.get_num_threads()
-    gguf, why_no_gguf = gguf_for(cfg)
+    from quasar.bench.runner import gguf_source
+
+    gguf, why_no_gguf = gguf_source(cfg)
     binary, why_no_binary = None, ""
     if any(s != "quasar" for s in cfg.servers):
         try:

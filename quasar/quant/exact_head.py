@@ -4,14 +4,14 @@ likeliest recomputed from the file's own weights.
 A step streams the head as an ``Int8Linear`` with 15-bit activations (its int8 per-channel
 weights are at least as fine as the file's 6- or 8-bit blocks). Per-token rounding of the
 final hidden state still moves the logits that decide the next token, so each row's
-``top_k`` largest logits are recomputed exactly: the float weights of those tokens (the
-float model's own, i.e. the GGUF's values dequantized) against the unrounded hidden state,
-in float64. That reads ``top_k`` rows of the float matrix a step, not all of it. With a tied
+``top_k`` largest logits are recomputed from the float weights of those tokens (the float
+model's own, i.e. the GGUF's values dequantized) and the unrounded hidden state, summed in
+float64. That reads ``top_k`` rows of the float matrix a step, not all of it. With a tied
 head those rows are the embedding table the verifier already holds, so it costs no bytes.
 
 Exactness: a row's logits depend on that row alone. The refined tokens are all those whose
 int8 logit is at least the row's top_k-th largest (ties included), and each refined logit is
-one float64 dot product over a contiguous row, rounded to float32: the same bits whether the
+one dot product over a contiguous row in a fixed order, rounded to float32: the same bits whether the
 row is verified alone or with drafts, so greedy speculative decoding still equals greedy
 decoding of the same verifier.
 
@@ -30,8 +30,8 @@ from quasar.quant.numerics import quantize_weight
 
 DEFAULT_TOP_K = 64
 HEAD_ACT_BITS = 15
-# (row, token) pairs recomputed at a time: float64 operands of a 2048-row fidelity window
-# would be gigabytes at once
+# (row, token) pairs recomputed at a time: the products of a 2048-row fidelity window would
+# be gigabytes at once
 _EXACT_PAIRS = 2048
 
 
@@ -109,13 +109,15 @@ class ExactTopHead(nn.Module):
         return y
 
     def exact_logits(self, x2: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
-        """The float head's logit of token cols[i] for input row rows[i]: a float64 dot
-        product of two contiguous rows (one fixed order), rounded to float32."""
+        """The float head's logit of token cols[i] for input row rows[i]: the float32 products
+        of two contiguous rows summed in float64 (one fixed order), rounded to float32."""
         out = torch.empty(rows.numel(), dtype=torch.float32)
         w = self.exact.weight
         for i in range(0, rows.numel(), _EXACT_PAIRS):
             r, c = rows[i:i + _EXACT_PAIRS], cols[i:i + _EXACT_PAIRS]
-            out[i:i + _EXACT_PAIRS] = (w[c].double() * x2[r].double()).sum(1).float()
+            # float32 products summed in float64: float64 temporaries of the products would cost
+            # their allocation more than the arithmetic
+            out[i:i + _EXACT_PAIRS] = torch.sum(w[c] * x2[r], dim=1, dtype=torch.float64).float()
         return out
 
     def extra_repr(self) -> str:
