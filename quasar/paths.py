@@ -21,9 +21,21 @@ def cache_dir(kind: str) -> Path:
     return cache_root() / kind
 
 
+# the cache's kinds whose entries are folders Quasar writes whole (with a manifest)
+ENTRY_KINDS = ("gguf", "w8a8", "w4a8")
+
+
 def in_cache(path: str | Path) -> bool:
-    """Whether ``path`` lies under the cache root, as given or with links resolved (a test's
-    cache may link parts of another): what Quasar wrote there must carry a manifest."""
+    """Whether ``path`` is (or lies in) an entry of one of the cache's ENTRY_KINDS folders, as
+    given or with links resolved (a test's cache may link parts of another): what Quasar wrote
+    there must carry a manifest. A user's own folder that happens to sit under the cache root
+    is not an entry."""
     path, root = Path(path), cache_root()
-    return any(p == r or r in p.parents for p, r in ((path.absolute(), root.absolute()),
-                                                      (path.resolve(), root.resolve())))
+    for p, r in ((path.absolute(), root.absolute()), (path.resolve(), root.resolve())):
+        try:
+            parts = p.relative_to(r).parts
+        except ValueError:
+            continue
+        if len(parts) >= 2 and parts[0] in ENTRY_KINDS:
+            return True
+    return False

@@ -91,21 +91,25 @@ def test_only_qwen_architectures(tmp_path, random_model):
         rmg.write_gguf(bad, tmp_path / "x.gguf", default_model_path())
 
 
-def test_a_gguf_kept_wider_than_4_bits_gets_fitted_4bit_layers(tmp_path, random_model):
-    """The W4A8 verifier of a GGUF whose layer tensors are wider than 4 bits (here all of them,
-    BF16; in a Q4_K_M file its Q6_K value and down projections): every decoder linear becomes
-    4-bit groups fitted to the stored weights (``fit_weight_w4_affine``), not int8, and the
-    head is a RefinedHead. Greedy decoding with it is greedy decoding of those weights."""
+def test_a_gguf_kept_wider_than_4_bits_by_layout(tmp_path, random_model):
+    """The W4A8 verifier of a GGUF whose layer tensors are all wider than 4 bits (BF16): in the
+    small layout every decoder linear becomes 4-bit groups fitted to the stored weights
+    (``fit_weight_w4_affine``) and the head is a RefinedHead; the faithful layout never refits
+    the file's tensors: it is a float model to calibrate and GPTQ-round, whose value and down
+    projections that llama.cpp's Q4_K_M keeps in 6 bits stay int8."""
     from quasar.models.loader import load_model
+    from quasar.quant.int8 import Int8Linear
     from quasar.quant.refined_head import RefinedHead
     from quasar.quant.w4a8 import W4A8Linear
+    from quasar.quant.w4a8_layouts import SMALL, keeps_wider
     from quasar.quant.w4a8_numerics import dequantize_w4, fit_weight_w4_affine
-    from quasar.quant.w4a8_verifier import LAYER_LINEARS, w4a8_verifier
+    from quasar.quant.w4a8_verifier import LAYER_LINEARS, groups_source, w4a8_verifier
 
     path = tmp_path / "m.gguf"
     rmg.write_gguf(random_model, path, default_model_path())
     loaded = load_model(str(path))
-    model = w4a8_verifier(loaded, cache=False)
+    assert groups_source(loaded, SMALL) == path and groups_source(loaded) is None
+    model = w4a8_verifier(loaded, cache=False, layout=SMALL)
     assert isinstance(model.lm_head, RefinedHead) and model.quant_kind == "w4a8"
     for i, layer in enumerate(model.model.layers):
         for name in LAYER_LINEARS:
@@ -113,3 +117,8 @@ def test_a_gguf_kept_wider_than_4_bits_gets_fitted_4bit_layers(tmp_path, random_
             assert isinstance(got, W4A8Linear), (i, name)
             q, s, o = fit_weight_w4_affine(loaded.model.model.layers[i].get_submodule(name).weight, 32)
             assert torch.equal(got.dequantized_weight(), dequantize_w4(q, s, 32, o)), (i, name)
+    faithful = w4a8_verifier(loaded, cache=False)
+    for i, layer in enumerate(faithful.model.layers):
+        for name in LAYER_LINEARS:
+            wide = keeps_wider(name, i, len(faithful.model.layers))
+            assert isinstance(layer.get_submodule(name), Int8Linear if wide else W4A8Linear), (i, name)

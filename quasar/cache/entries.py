@@ -17,10 +17,9 @@ from typing import TypeVar
 from quasar.cache.locking import entry_lock
 from quasar.cache.temps import remove_stale_temps, temp_path
 from quasar.errors import QuasarError
-from quasar.paths import cache_dir
+from quasar.paths import ENTRY_KINDS, cache_dir
 
 T = TypeVar("T")
-KINDS = ("gguf", "w8a8", "w4a8")  # the kinds of entry that carry manifests
 
 
 def lookup(target: str | Path, load: Callable[[Path], T], what: str) -> T | None:
@@ -58,9 +57,9 @@ def discard(target: str | Path, inode: int) -> None:
 
 
 def all_entries() -> list[Path]:
-    """Every entry under ``$QUASAR_CACHE`` that carries a manifest (its KINDS), sorted."""
+    """Every entry under ``$QUASAR_CACHE`` that carries a manifest (paths.ENTRY_KINDS), sorted."""
     found = []
-    for kind in KINDS:
+    for kind in ENTRY_KINDS:
         folder = cache_dir(kind)
         if folder.is_dir():
             found += sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))

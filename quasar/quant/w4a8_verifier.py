@@ -71,6 +71,20 @@ def gguf_source(loaded) -> Path | None:
     return gguf_path(str(loaded.source))
 
 
+def groups_source(loaded, layout: str = FAITHFUL) -> Path | None:
+    """The GGUF file whose own 4-bit groups `loaded`'s W4A8 model takes, or None: a float
+    directory, or in the faithful layout a GGUF with no 4-bit tensor (F16, BF16, Q8_0), which is
+    a float model to calibrate and GPTQ-round (its every tensor is wider than 4 bits)."""
+    gguf = gguf_source(loaded)
+    if gguf is None or check_layout(layout) == SMALL:
+        return gguf
+    from gguf import GGUFReader
+
+    from quasar.models.gguf_groups import is_int4_type
+
+    return gguf if any(is_int4_type(t.tensor_type) for t in GGUFReader(gguf).tensors) else None
+
+
 def gguf_path(model: str) -> Path | None:
     """The GGUF file a `--model` value names ('default' is one), or None (a directory)."""
     if model == "default":
@@ -124,7 +138,7 @@ def cache_path(loaded, layout: str = FAITHFUL) -> Path:
     from quasar.quant import verifier
     from quasar.quant.w4a8_checkpoint import FORMAT_VERSION
 
-    gguf = gguf_source(loaded)
+    gguf = groups_source(loaded, layout)
     gguf_id = file_key(gguf) if gguf is not None else None  # by content, not path
     key = {"gguf": gguf_id, "recipe": RECIPES[check_layout(layout)], "w4a8_format": FORMAT_VERSION}
     if gguf is None:  # calibrated: the pipeline's options are part of the recipe
@@ -182,7 +196,7 @@ def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = Fal
     from quasar.fileio import atomic_dir
     from quasar.quant.checkpoint import ShardWriter
 
-    if gguf_source(loaded) is None:
+    if groups_source(loaded, layout) is None:
         from quasar.quant.quantize import quantize_to_dir
 
         return quantize_to_dir(loaded.weights_dir(), loaded.tokenizer, out,
@@ -205,7 +219,7 @@ def build_w4a8(loaded, layout: str = FAITHFUL) -> Transformer:
     from quasar.models.config import ModelConfig
     from quasar.models.hf import build_model
 
-    if gguf_source(loaded) is None:
+    if groups_source(loaded, layout) is None:
         from quasar.models.tensors import SafetensorsSource
         from quasar.quant.quantize import build_w8a8
 
