@@ -57,7 +57,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from quasar.cache.keys import BLOCK, SAMPLES, sampled_digest

@@ -13,7 +13,6 @@ import torch
 from quasar.errors import QuasarError
 from quasar.models.loader import load_model
 from quasar.quant import ext
-from quasar.quant.int8 import Int8Linear
 from quasar.quant.exact_head import DEFAULT_TOP_K, ExactTopHead
 from quasar.quant.w4a8_checkpoint import EXACT_HEAD
 from quasar.quant.w4a8 import W4A8Linear

@@ -66,8 +66,8 @@ def _clean(obj):
     return obj
 
 
-def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
-    """results.json, the plots and report.md in `out_dir`; returns their paths."""
+def output_folder(out_dir: str | Path) -> Path:
+    """`out_dir`, created if need be; a one-line QuasarError where it cannot be."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -75,6 +75,12 @@ def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
         raise QuasarError(f"cannot create output folder {out}: {e.strerror}") from None
     if not out.is_dir():
         raise QuasarError(f"{out} is not a folder")
+    return out
+
+
+def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
+    """results.json, the plots and report.md in `out_dir`; returns their paths."""
+    out = output_folder(out_dir)
     paths = {"results": out / RESULTS_JSON, "report": out / REPORT_MD}
     write_atomic(paths["results"], to_json(results) + "\n")
     plots, why = make_plots(results, out)

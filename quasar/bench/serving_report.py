@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quasar.errors import QuasarError
 from quasar.fileio import write_atomic
 
 SERVING_JSON = "serving.json"
@@ -78,11 +77,9 @@ def render_markdown(results: dict) -> str:
 
 
 def write_serving(results: dict, out_dir: str | Path) -> dict[str, Path]:
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise QuasarError(f"cannot create output folder {out}: {e.strerror}") from None
+    from quasar.bench.report import output_folder
+
+    out = output_folder(out_dir)
     paths = {"json": out / SERVING_JSON, "markdown": out / SERVING_MD}
     write_atomic(paths["json"], to_json(results) + "\n")
     write_atomic(paths["markdown"], render_markdown(results))

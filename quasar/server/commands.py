@@ -7,7 +7,6 @@ imported when the command runs.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 
@@ -84,15 +83,6 @@ def _allowed_hosts(args: argparse.Namespace) -> list[str]:
     return hosts
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _check_port(host: str, port: int) -> None:
     """Fail before the (slow) model load when the address cannot be bound."""
     import socket
@@ -122,13 +112,14 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401
 
+        from quasar.server.access import is_loopback
         from quasar.server.app import create_app
     except ModuleNotFoundError as e:
         raise QuasarError(f"'quasar serve' needs {e.name}: pip install fastapi uvicorn") from None
     from quasar.api import DEFAULT_CONTEXT, LLM
 
     api_key = args.api_key or os.environ.get("QUASAR_API_KEY") or None
-    if not _is_loopback(args.host) and api_key is None:
+    if not is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it "
               "(by the host names of --allowed-hosts)", file=sys.stderr)
     llm = LLM(args.model, dtype=args.dtype, draft=draft, verifier=args.verifier,
