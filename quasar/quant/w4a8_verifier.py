@@ -32,7 +32,6 @@ checkpoint.
 from __future__ import annotations
 
 import functools
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -78,11 +77,19 @@ def groups_source(loaded, layout: str = FAITHFUL) -> Path | None:
     gguf = gguf_source(loaded)
     if gguf is None or check_layout(layout) == SMALL:
         return gguf
+    st = gguf.stat()
+    return gguf if _has_int4_tensors(str(gguf.resolve()), st.st_size, st.st_mtime_ns) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _has_int4_tensors(path: str, size: int, mtime_ns: int) -> bool:
+    """Whether the GGUF file at `path` (as of `size`, `mtime_ns`) stores a 4-bit tensor; once a
+    process, since parsing a large file's header takes seconds."""
     from gguf import GGUFReader
 
     from quasar.models.gguf_groups import is_int4_type
 
-    return gguf if any(is_int4_type(t.tensor_type) for t in GGUFReader(gguf).tensors) else None
+    return any(is_int4_type(t.tensor_type) for t in GGUFReader(path).tensors)
 
 
 def gguf_path(model: str) -> Path | None:
@@ -138,11 +145,14 @@ def cache_path(loaded, layout: str = FAITHFUL) -> Path:
     from quasar.quant import verifier
     from quasar.quant.w4a8_checkpoint import FORMAT_VERSION
 
-    gguf = groups_source(loaded, layout)
-    gguf_id = file_key(gguf) if gguf is not None else None  # by content, not path
-    key = {"gguf": gguf_id, "recipe": RECIPES[check_layout(layout)], "w4a8_format": FORMAT_VERSION}
-    if gguf is None:  # calibrated: the pipeline's options are part of the recipe
-        key = {"gguf": None, "w4a8_format": FORMAT_VERSION, "options": float_source_options(layout).cache_key(None)}
+    # Not groups_source: the GGUF's content decides which way it is built, and parsing its header
+    # would cost a warm start seconds at 1.5B.
+    gguf = gguf_source(loaded)
+    key: dict = {"gguf": file_key(gguf) if gguf is not None else None, "w4a8_format": FORMAT_VERSION}
+    if gguf is not None:
+        key["recipe"] = RECIPES[check_layout(layout)]
+    if gguf is None or layout == FAITHFUL:  # calibrated (a float model): the pipeline's options count too
+        key["options"] = float_source_options(layout).cache_key(None)
     return verifier.cache_path(Path(loaded.model_dir), torch.float32, key, kind="w4a8")
 
 
@@ -152,6 +162,7 @@ def w4a8_verifier(loaded, *, cache: bool = True, layout: str = FAITHFUL) -> Tran
     cache when built before, else written there part by part (``write_w4a8_checkpoint``) and
     loaded from it, memory-mapped. Without a cache, or when it cannot be written (a read-only
     or full disk only warns), built in memory (``build_w4a8``)."""
+    from quasar.cache.entries import lookup
     from quasar.models.hf import load_hf_dir
 
     if loaded.quantized:
@@ -159,20 +170,17 @@ def w4a8_verifier(loaded, *, cache: bool = True, layout: str = FAITHFUL) -> Tran
             raise QuasarError(f"{loaded.source} is a W8A8 checkpoint; the w4a8 verifier needs the float model "
                               "(its directory or GGUF file) or a W4A8 checkpoint", param="verifier")
         return loaded.model
-    target = cache_path(loaded, layout) if cache else None
-    if target is not None and (target / "config.json").is_file():
-        try:
-            return load_hf_dir(target, torch.float32)
-        except QuasarError as e:  # a damaged entry: build it again
-            print(f"warning: rebuilding the W4A8 cache entry {target} ({e})", file=sys.stderr)
-            shutil.rmtree(target, ignore_errors=True)
-    if target is not None:
+    if cache:
+        target = cache_path(loaded, layout)
+        model = lookup(target, lambda entry: load_hf_dir(entry, torch.float32), "W4A8")
+        if model is not None:
+            return model
         try:
             write_w4a8_checkpoint(loaded, target, {"source": str(loaded.source)}, exist_ok=True, layout=layout)
             return load_hf_dir(target, torch.float32)
-        except OSError as e:
-            print(f"warning: could not cache the W4A8 model in {target} ({e}); building it in memory",
-                  file=sys.stderr)
+        except OSError as e:  # a read-only or full cache must not stop decoding
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"warning: could not cache the W4A8 model ({why}); building it in memory", file=sys.stderr)
     return build_w4a8(loaded, layout)
 
 
