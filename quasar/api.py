@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import quasar.quant  # noqa: F401  (registers the W8A8 checkpoint format with the model loader)
-from quasar.defaults import DEFAULT_BATCH_ROWS, DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, DEFAULT_VERIFIER, MAX_BATCH
+from quasar.defaults import DEFAULT_BATCH_ROWS, DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, MAX_BATCH
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
@@ -71,8 +71,7 @@ class LLM:
         # The per-call defaults: `draft` (its drafter replaced by `drafter` when given).
         self.draft = (draft or DraftOptions()).replace(drafter=drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
-        # default: what a quantized checkpoint is (w8a8 or w4a8), else W8A8
-        verifier = verifier or self.loaded.quant_kind or DEFAULT_VERIFIER
+        verifier = verifier or self.loaded.default_verifier
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.verifier, self.dtype = verifier, dtype

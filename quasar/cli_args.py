@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from quasar.defaults import (DEFAULT_ADAPTIVE, DEFAULT_DRAFT_BUDGET, DEFAULT_DRAFTER, DEFAULT_NGRAM_MAX,
-                             DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
+from quasar.defaults import (DEFAULT_4BIT_VERIFIER, DEFAULT_ADAPTIVE, DEFAULT_DRAFT_BUDGET, DEFAULT_DRAFTER,
+                             DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT, DEFAULT_VERIFIER)
 
 
 def positive_int(value: str) -> int:
@@ -50,8 +50,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help=f"auto | none | ngram | tree (default {DEFAULT_DRAFTER}: tree drafts where the quantized "
                         "verifier's extra rows are cheap, on CPUs with AMX tiles, else ngram)")
     p.add_argument("--verifier", default=None,
-                   help=f"fp | w8a8 | w4a8 | w4a8-small | pruned:F (default: {DEFAULT_VERIFIER}; a quantized "
-                        "checkpoint: its own)")
+                   help=f"fp | w8a8 | w4a8 | w4a8-small | pruned:F (default: {DEFAULT_VERIFIER}; a GGUF file with "
+                        f"4-bit tensors: {DEFAULT_4BIT_VERIFIER}; a quantized checkpoint: its own)")
     add_draft_args(p)
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
                    help="choose the draft length per step (up to k + 3) from recent acceptance")

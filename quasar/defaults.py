@@ -9,7 +9,10 @@
 # (135M, forced AVX2: 0.95x). `quasar bench --modes quasar,quasar-tree` times the two side by
 # side (BENCHMARKS.md has the current figures per model size and CPU kind).
 DEFAULT_DRAFTER = "auto"
-DEFAULT_VERIFIER = "w8a8"
+DEFAULT_VERIFIER = "w8a8"  # a float model's
+# A GGUF file with 4-bit tensors decodes at its own precision: the faithful W4A8 layout keeps
+# the file's 4-bit groups and its wider tensors as wide (BENCHMARKS.md compares it with W8A8).
+DEFAULT_4BIT_VERIFIER = "w4a8"
 DEFAULT_CONTEXT = 8192
 # The paper's drafter: k = 5 draft tokens, n-grams of 1..3 tokens (vLLM's prompt lookup).
 DEFAULT_NUM_DRAFT = 5

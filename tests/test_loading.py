@@ -191,6 +191,21 @@ def _float_linears(model) -> list[str]:
     return [name for name, m in model.model.layers.named_modules() if type(m) is torch.nn.Linear]
 
 
+def test_the_default_verifier_is_the_files_own_precision(tiny_char_model):
+    """A GGUF with 4-bit tensors (the default model, Q4_1) decodes with the faithful W4A8
+    verifier unless told otherwise, a float model with W8A8; a conversion made before the
+    file's kind was recorded in it reads the file's header instead."""
+    from quasar.api import LLM
+    from quasar.models import loader
+
+    assert load_model("default").default_verifier == "w4a8"
+    assert LLM("default").verifier == "w4a8" and LLM("default", verifier="w8a8").verifier == "w8a8"
+    assert load_model(tiny_char_model()).default_verifier == "w8a8"
+    assert loader._stores_int4("default", {}) is True  # no record: the header says Q4_1
+    assert loader._stores_int4("default", {"quasar_gguf": {"int4_tensors": False}}) is False  # the record rules
+    assert loader._stores_int4(tiny_char_model(), {}) is False  # a directory is no GGUF file
+
+
 def test_llm_loads_float_weights_only_for_float_verifiers(tiny_char_model):
     from quasar.api import LLM
 
@@ -303,6 +318,8 @@ def test_gguf_converts_once_streamed_into_cache(tmp_path, monkeypatch):
             ref = gguf_mod._unpermute(ref, heads)
         assert torch.equal(tensors[name], torch.from_numpy(ref.copy())), name
     assert len(tensors) == len(reader.tensors)
+
+    assert json.loads((out / "config.json").read_text())["quasar_gguf"] == {"int4_tensors": True}  # Q4_1
 
     calls = []
     monkeypatch.setattr(gguf_mod, "_convert", lambda *a: calls.append(a))

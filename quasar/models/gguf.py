@@ -23,6 +23,7 @@ from quasar.cache.entries import entry_path, lookup
 from quasar.cache.keys import file_key
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
+from quasar.models.gguf_groups import is_int4_type
 from quasar.paths import cache_dir
 
 # GGUF architecture -> Hugging Face model_type
@@ -223,6 +224,8 @@ def _save_tokenizer(path: Path, out: Path) -> None:
 def _convert(reader, path: Path, out: Path) -> None:
     names = {t.name for t in reader.tensors}
     cfg = _config(reader, path, has_output="output.weight" in names)
+    # recorded so that choosing the default verifier never parses the file's header again
+    cfg["quasar_gguf"] = {"int4_tensors": any(is_int4_type(t.tensor_type) for t in reader.tensors)}
     _save_tokenizer(path, out)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _write_weights(reader, cfg, path, out)

@@ -14,6 +14,9 @@ the output in Q6_K) have no 4-bit form: ``int4_groups`` returns None for them.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -27,6 +30,20 @@ def is_int4_type(tensor_type) -> bool:
     from gguf import GGMLQuantizationType as T
 
     return tensor_type in (T.Q4_0, T.Q4_1, T.Q4_K)
+
+
+def stores_int4(path: Path) -> bool:
+    """Whether the GGUF file at `path` stores a tensor ``int4_groups`` reads. Parsing a large
+    file's header takes seconds, so once a process per file version (path, size, mtime)."""
+    st = path.stat()
+    return _stores_int4(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _stores_int4(path: str, size: int, mtime_ns: int) -> bool:
+    from gguf import GGUFReader
+
+    return any(is_int4_type(t.tensor_type) for t in GGUFReader(path).tensors)
 
 
 def int4_groups(data: np.ndarray, tensor_type, shape: tuple[int, int]):

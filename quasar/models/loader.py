@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from quasar.defaults import DEFAULT_4BIT_VERIFIER, DEFAULT_VERIFIER
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
 from quasar.models.hf import check_manifest, check_weight_files, load_hf_dir, read_config
@@ -41,13 +42,14 @@ class LoadedModel:
     """
 
     def __init__(self, tokenizer: Tokenizer, model_dir: Path, source: str, config: ModelConfig,
-                 dtype: torch.dtype, quantization_config: dict | None):
+                 dtype: torch.dtype, quantization_config: dict | None, stores_int4: bool = False):
         self.tokenizer = tokenizer
         self.model_dir = model_dir  # the HF-format directory of the weights (cache dir for GGUF)
         self.source = source  # what the user asked for
         self.config = config
         self.dtype = dtype  # the float dtype asked for
         self.quantization_config = quantization_config
+        self.stores_int4 = stores_int4  # a GGUF file with 4-bit tensors (Q4_0, Q4_1, Q4_K)
         self._model: Transformer | None = None
         self._weights_checked = False
 
@@ -62,6 +64,15 @@ class LoadedModel:
             return None
         qc = self.quantization_config
         return "w4a8" if isinstance(qc, dict) and qc.get("quant_method") == "quasar-w4a8" else "w8a8"
+
+    @property
+    def default_verifier(self) -> str:
+        """The verifier a model decodes with unless told: a quantized checkpoint's own kind, a
+        4-bit GGUF's own precision (the faithful W4A8 layout, which keeps the file's 4-bit
+        groups and its wider tensors as wide), else W8A8."""
+        if self.quantized:
+            return self.quant_kind
+        return DEFAULT_4BIT_VERIFIER if self.stores_int4 else DEFAULT_VERIFIER
 
     def weights_dir(self) -> Path:
         """``model_dir`` once its weights have been checked against its manifest (the first
@@ -121,4 +132,29 @@ def load_model(source: str | Path = "default", dtype: str = "auto") -> LoadedMod
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         tokenizer.add_eos_ids([eos] if isinstance(eos, int) else (eos or []))
     torch_dtype = DTYPES[dtype] or stored_dtype(raw)
-    return LoadedModel(tokenizer, model_dir, str(source), config, torch_dtype, raw.get("quantization_config"))
+    return LoadedModel(tokenizer, model_dir, str(source), config, torch_dtype, raw.get("quantization_config"),
+                       _stores_int4(source, raw))
+
+
+def _stores_int4(source: str | Path, raw: dict) -> bool:
+    """Whether `source` is a GGUF file with 4-bit tensors: as its conversion recorded it, or,
+    for a conversion made before that was recorded, from the file's header."""
+    info = raw.get("quasar_gguf")
+    if isinstance(info, dict) and isinstance(info.get("int4_tensors"), bool):
+        return info["int4_tensors"]
+    path = _gguf_file(source)
+    if path is None:
+        return False
+    from quasar.models.gguf_groups import stores_int4
+
+    return stores_int4(path)
+
+
+def _gguf_file(source: str | Path) -> Path | None:
+    """The GGUF file a model source names ('default' is one), or None."""
+    if str(source) == "default":
+        from quasar.data.packages import default_model_path
+
+        return Path(default_model_path())
+    path = Path(source).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None

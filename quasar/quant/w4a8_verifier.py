@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from quasar.errors import QuasarError
+from quasar.models.gguf_groups import stores_int4
 from quasar.models.llama import Transformer
 from quasar.quant.exact_head import ExactTopHead
 from quasar.quant.int8 import Int8Linear
@@ -77,19 +78,7 @@ def groups_source(loaded, layout: str = FAITHFUL) -> Path | None:
     gguf = gguf_source(loaded)
     if gguf is None or check_layout(layout) == SMALL:
         return gguf
-    st = gguf.stat()
-    return gguf if _has_int4_tensors(str(gguf.resolve()), st.st_size, st.st_mtime_ns) else None
-
-
-@functools.lru_cache(maxsize=8)
-def _has_int4_tensors(path: str, size: int, mtime_ns: int) -> bool:
-    """Whether the GGUF file at `path` (as of `size`, `mtime_ns`) stores a 4-bit tensor; once a
-    process, since parsing a large file's header takes seconds."""
-    from gguf import GGUFReader
-
-    from quasar.models.gguf_groups import is_int4_type
-
-    return any(is_int4_type(t.tensor_type) for t in GGUFReader(path).tensors)
+    return gguf if stores_int4(gguf) else None
 
 
 def gguf_path(model: str) -> Path | None:
