@@ -4,10 +4,9 @@
 # step on a CPU with AMX tiles) or its one-row step is long (10 ms or more: a model of 1.5B and
 # up), else the paper's chain (`ngram`). With AMX a tree's extra rows cost little beside the
 # weights every step streams, so its longer accepted runs win. Without, a tree keeps only the
-# nodes that pay for their measured row cost; on a long step that still beats the chain
-# (1.5B: 1.01-1.19x), on a short one the host's work on the tree costs more than it gains
-# (135M, forced AVX2: 0.95x). `quasar bench --modes quasar,quasar-tree` times the two side by
-# side (BENCHMARKS.md has the current figures per model size and CPU kind).
+# nodes that pay for their measured row cost; on a long step that still beats the chain, on
+# a short one the host's work on the tree costs more than it gains. `quasar bench --modes
+# quasar,quasar-tree` times the two side by side (BENCHMARKS.md has the figures).
 DEFAULT_DRAFTER = "auto"
 DEFAULT_VERIFIER = "w8a8"  # a float model's
 # A GGUF file with 4-bit tensors decodes at its own precision: the faithful W4A8 layout keeps

@@ -8,5 +8,5 @@ bash scripts/setup.sh
 echo "== autoregressive, float verifier (none + fp) =="
 quasar generate --drafter none --verifier fp "$@"
 echo
-echo "== Quasar (ngram + w8a8) =="
+echo "== Quasar (n-gram drafts + the default verifier: the file's own 4-bit weights, W4A8) =="
 quasar generate "$@"

@@ -227,8 +227,8 @@ def small_m_max(value: int | None = None) -> int:
 
 
 def amx_supported() -> bool:
-    """True when the small-M kernel computes multi-row steps with AMX here (AMX-INT8 CPUs:
-    Sapphire Rapids and later; Linux must allow the tile state) and AMX is not turned off
+    """True when the small-M kernel computes multi-row steps with AMX here (the CPU has
+    AMX-INT8 and Linux allows the tile state) and AMX is not turned off
     (``QUASAR_NO_AMX``, ``amx_min_rows(0)``). False without the op."""
     return small_m_supported() and bool(torch.ops.quasar_quant.int8_amx_supported()) and amx_min_rows() > 0
 
@@ -239,9 +239,9 @@ _prefetch_whole: bool | None = None  # the op's setting as last read or set here
 def prefetch_whole_stream(value: bool | None = None) -> bool:
     """Whether one-row passes (the AVX2 / AVX-VNNI int8 kernels, every W4A8 kernel) prefetch
     their whole weight stream in software (True, the default) or only each stream's first 64
-    KiB, leaving the rest to the hardware prefetcher (False: faster on some CPUs, e.g. 37 vs 45
-    ms a 1.5B W8A8 step on a Zen 4, slower on others; ``quasar.quant.step_cost`` measures
-    which, per model, and the fused step sets its model's choice before each call). With
+    KiB, leaving the rest to the hardware prefetcher (False: faster on some CPUs, slower on
+    others; ``quasar.quant.step_cost`` measures which, per model, and the fused step sets its
+    model's choice before each call). With
     ``value``, set it process-wide and return the previous one; setting the value it already
     has costs no op call. Speed only: never a bit of the results. False without the op."""
     global _prefetch_whole

@@ -2,13 +2,13 @@
 recomputed from int8 weights.
 
 The head is the largest matrix a step reads (151936 x 1536 at 1.5B: 233 MB int8, 22% of a
-W4A8 step). 4-bit alone it costs too much fidelity (1.5B, the bench's 1024 held-out tokens:
-top-1 94.1%, KL 0.0129 against the int8 head's 96.0%, 0.0066; llama.cpp's Q4_K_M file 0.0091).
-But what decides the next token and most of the distribution's mass is a few dozen logits.
+W4A8 step). 4-bit alone it costs too much fidelity: clearly less top-1 agreement and about
+twice the KL of an int8 head, worse than llama.cpp's own Q4_K_M file. But what decides the
+next token and most of the distribution's mass is a few dozen logits.
 So a step reads the 4-bit head (fitted groups, ``fit_weight_w4_affine``: 146 MB), takes each
 row's ``top_k`` largest logits, and replaces them with the int8 head's logits for those
-tokens, which reads ``top_k`` rows of the int8 matrix (98 KB), not all of it. With top_k = 64:
-96.0%, KL 0.0072 (top 8: 96.1%, 0.0084).
+tokens, which reads ``top_k`` rows of the int8 matrix (98 KB), not all of it. With top_k = 64
+the top-1 agreement is the int8 head's and the KL close to it (docs/bench/HISTORY.md).
 
 Exactness: a row's logits depend on that row alone. The tokens it refines are all those whose
 4-bit logit is at least its top_k-th largest (ties included, so the set does not depend on
@@ -77,7 +77,7 @@ class RefinedHead(nn.Module):
     def refine(self, y: Tensor, x2: Tensor, use_op: bool = True) -> Tensor:
         """4-bit logits y [R, V] of inputs x2 [R, in] with each row's logits at least its
         top_k-th largest replaced by the int8 head's, in place. By the C++ op where it runs (one
-        pass a row; in torch this took 0.4-1.8 ms of a 1.5B step), else (``use_op=False``
+        pass a row, where torch needs several), else (``use_op=False``
         too: the op's contract, for tests) in torch."""
         if not y.shape[0]:
             return y

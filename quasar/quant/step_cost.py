@@ -47,18 +47,16 @@ __all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "insta
 
 PROBE_ROWS = (1, 2, 4, 8, 16)
 # A row costing at most this share of a one-row step is cheap enough to fill a pass with.
-# AMX steps stay under it to 16 rows (~0.02-0.03 a row), the AVX512-VNNI kernel's second
-# pass over each weight tile (7+ rows) and AVX2's int8 products (~0.2 a row) do not.
+# AMX steps stay under it to 16 rows; the AVX512-VNNI kernel's second pass over each weight
+# tile (7+ rows) and AVX2's int8 products (three instructions a product pair) do not.
 CHEAP_ROW = 0.04
 MIN_PASS_ROWS = 6  # the pending token and a chain of 5 drafts: never fewer
 TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
 # A one-row step at least this long is worth drafting trees for even where rows are dear: the
 # host's share of a tree step (proposing the tree in Python, scoring its rows) is small beside
 # it, and a tree priced by the measured row cost (DraftTree.worth_keeping) keeps only the nodes
-# that pay, so it beats the chain, which drafts up to k tokens on any n-gram match. Measured
-# tree ÷ chain tokens/s (quasar bench, 15 prompts x 128 tokens): 1.5B W8A8 (18-28 ms steps)
-# 1.19x avx512-vnni and 1.07x forced AVX2 on a Zen 5, 1.03x and 1.01x on a Zen 4, W4A8 1.09x;
-# 135M (3-4 ms) 0.95x on forced AVX2, where the host's share is larger.
+# that pay, so it beats the chain, which drafts up to k tokens on any n-gram match. Shorter
+# steps (the default model's) lose to the chain: the host's share is larger there.
 TREE_STEP_SECONDS = 0.010
 _ROUNDS = 5
 _PROMPT_TOKENS = 32
@@ -70,15 +68,14 @@ PREFETCH_CHOICE_PATHS = ("avx2", "avx-vnni")
 
 # ---------------------------------------------------------------- priors
 # Before a model's step is measured (models built outside LLM: the quantizer's, the tests'),
-# its row cost and pass rows come from the kernel path. The figures are scripts/step_rows.py
-# and scripts/compare_drafters.py measurements on the 2-core development machines
-# (BENCHMARKS.md): with AMX a 16-row step of the default model (135 MB of int8 weights) costs
-# ~0.027 of a one-row step a row, priced a little under (0.02) because a path's probability,
-# the product of its edges', undervalues deep nodes of a text that repeats; with the
-# AVX512-VNNI kernel alone ~0.07 (6 rows in registers, a further pass over each weight tile
-# past them); below AVX512 (three instructions per int8 product pair) ~0.2-0.3. A row's
-# work grows with the model like the step's bytes, but its fixed share shrinks: the cost is
-# scaled by sqrt(135 MB / the model's int8 bytes) (measured ~0.011 with AMX at 1.5B).
+# its row cost and pass rows come from the kernel path: per-row costs of the default model
+# (135 MB of int8 weights) from scripts/step_rows.py and scripts/compare_drafters.py (the
+# figures are in docs/bench/HISTORY.md). AMX is priced a little under its measured cost
+# because a path's probability, the product of its edges', undervalues deep nodes of a text
+# that repeats; the AVX512-VNNI kernel keeps 6 rows in registers and makes a further pass
+# over each weight tile past them; below AVX512 each int8 product pair takes three
+# instructions. A row's work grows with the model like the step's bytes, but its fixed share
+# shrinks: the cost is scaled by sqrt(135 MB / the model's int8 bytes).
 AMX_ROW_COST = 0.02
 VNNI_ROW_COST = 0.07
 AVX2_ROW_COST = 0.25

@@ -7,9 +7,9 @@ loader's strict state-dict load checks every tensor:
 - a 4-bit layer (``W4A8Linear``): ``NAME.qweight`` uint8 [out, in / 2] (two weights a byte,
   w4a8_numerics.pack_int4), ``NAME.scales`` and ``NAME.offsets`` float16 [out, in / group]
   (w = scale * q + offset), ``NAME.bias`` where the layer has one;
-- an 8-bit layer (``Int8Linear``: a float model's output head; in checkpoints written before
-  session 24, also a Q4_K_M file's Q6_K tensors and the GGUF's head): ``NAME.weight`` int8
-  [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's;
+- an 8-bit layer (``Int8Linear``: a float model's output head; in older checkpoints of the
+  same format version, also a Q4_K_M file's Q6_K tensors and the GGUF's head): ``NAME.weight``
+  int8 [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's;
 - a GGUF's output head in the small layout (``RefinedHead``, quasar.quant.refined_head):
   ``lm_head.approx.*`` as a 4-bit layer and ``lm_head.exact.*`` as an 8-bit one, with
   ``head_top_k`` in the config;

@@ -6,17 +6,16 @@ must match bit for bit, as ``numerics`` is for W8A8.
 Weights: one form, affine per (output row, group of ``group`` input columns): w = scale * q
 + offset with q in [0, 15]. It is the form of GGUF's 4-bit blocks (Q4_0 is offset = -8 d,
 Q4_1 and Q4_K's sub-blocks carry their own), so a model that comes as a 4-bit GGUF keeps its
-own weights instead of being rounded a second time (on the default model, weight-only:
-symmetric groups of 32 keep 73% top-1 agreement with the float model, the file's own groups
-all of it). A symmetric quantizer's q in [-7, 7] is the affine q + 8 with offset -8 * scale
+own weights instead of being rounded a second time (rounding them again to symmetric groups
+loses much of the top-1 agreement with the float model that the file's own groups keep). A
+symmetric quantizer's q in [-7, 7] is the affine q + 8 with offset -8 * scale
 (``symmetric_as_affine``; exact: a power of two times the scale). One form means one kernel
 per ISA, and unsigned nibbles are the u8 operand of vpdpbusd and vpmaddubsw as they are.
 
 Activations: int8 per token *and group* (the weights' groups), scale amax / 127 over the
-group, as llama.cpp's Q8 blocks. Per token alone (W8A8's rule) measured 91.6% top-1 on the
-default model and 95.9% at 1.5B against 97.7% and 99.2% per group (scripts/w4_fidelity.py
-with the file's own 4-bit groups): a 4-bit group's error is already spent, so the
-activations must not add one per token on top.
+group, as llama.cpp's Q8 blocks. Per token alone (W8A8's rule) agrees clearly less often
+with the float model's top-1 (scripts/w4_fidelity.py with the file's own 4-bit groups): a
+4-bit group's error is already spent, so the activations must not add one per token on top.
 
 Arithmetic: per row m, column n, group g two integer sums, S = sum of q_w * q_x (at most
 15 * 127 * group) and X = sum of q_x (the offset's term, shared by every column), exact in
@@ -112,12 +111,10 @@ def fit_weight_w4_affine(w: Tensor, group: int, steps: int = 10) -> tuple[Tensor
     already on a 4-bit grid, which it gives back as they are), the group keeps the min-max grid.
 
     What it is for: a tensor a 4-bit GGUF keeps wider (Q4_K_M's Q6_K value and down
-    projections) re-rounded to 4 bits. At 1.5B (the bench's 1024 held-out tokens, the int8
-    head) those tensors min-max rounded gave 96.0% top-1, KL 0.0080; fitted over 21 grids,
-    each rounded and scored, 96.4%, 0.0067; this fit, in a bench run, 96.0%, 0.0066; kept int8
-    96.6%, 0.0036; llama.cpp's own Q4_K_M file 0.0091. (21 grids instead of 11
-    lower the weighted error by 0.25% at 1.5x the time: 2.5 s against 1.6 s for one 1.5B
-    down projection on 2 cores.)"""
+    projections) re-rounded to 4 bits: it gives a lower KL than min-max rounding, about that of
+    a costlier search that scores each grid, and below llama.cpp's own Q4_K_M file. More grids
+    than the default 11 lower the weighted error only slightly for their time
+    (docs/bench/HISTORY.md has the figures)."""
     w32 = _grouped(w, group)
     k = w.shape[1]
     real = (torch.arange(w32.shape[1] * group) < k).view(1, -1, group)

@@ -42,10 +42,9 @@ from quasar.speculative.drafters import Drafter, DraftTree, NgramDrafter
 # candidates: 0, 1, 2 or more, not among them]. Measured over 23k nodes of the W8A8 default
 # model's greedy tree decoding (budget 24, no node dropped) of 102 held-out prompts of the
 # five bench tasks (not the bench's own): `python scripts/tree_edge_stats.py --n 25`. What it
-# says: the verifier's own rank-0 candidate is accepted 30% of the time alone; a 1-gram match
-# adds little unless the verifier also ranks it first (a 1-gram alone: 3-9%); a 3-gram that
-# usually continues so is accepted 65-90% of the time. (Cells under 30 nodes: 2-gram minority
-# at ranks 1 and 2+.)
+# says: the verifier's own rank-0 candidate is a fair bet alone; a 1-gram match adds little
+# unless the verifier also ranks it first; a 3-gram that usually continues so is the best
+# evidence there is. (Cells under 30 nodes: 2-gram minority at ranks 1 and 2+.)
 EDGE_PROB = {
     0: {True: (0.30, 0.09, 0.025, 0.0), False: (0.30, 0.09, 0.025, 0.0)},
     1: {True: (0.41, 0.20, 0.089, 0.089), False: (0.27, 0.18, 0.081, 0.029)},
@@ -66,7 +65,7 @@ def evidence_cell(n: int, count: int, total: int, rank: int | None) -> Cell:
 
 # How many observations the measured EDGE_PROB counts for against what the sequence at hand
 # shows. A text's own repeats are accepted more or less often than the held-out average (a
-# summary copying long spans of its source: 3-gram matches ~97% instead of 90%), so each
+# summary copying long spans of its source accepts nearly all its 3-gram matches), so each
 # sequence calibrates the table on its own verified nodes: a cell's probability is
 # (PRIOR_WEIGHT * measured + accepted) / (PRIOR_WEIGHT + tested).
 PRIOR_WEIGHT = 16

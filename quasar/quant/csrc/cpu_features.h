@@ -4,8 +4,8 @@
 // int8 products, one float order per path, every row alone); the path only decides how the
 // sums are made and which vector width the float kernels use. Paths, lowest first:
 //   portable     plain C++ (any CPU; where NEON sdot would slot in)
-//   avx2         AVX2 + FMA: vpsignb / vpmaddubsw / vpmaddwd int8 products (Zen 2/3, Haswell+)
-//   avx-vnni     256-bit vpdpbusd (Alder Lake and later, Zen 5)
+//   avx2         AVX2 + FMA: vpsignb / vpmaddubsw / vpmaddwd int8 products
+//   avx-vnni     256-bit vpdpbusd (the VEX-encoded AVX-VNNI extension)
 //   avx512-vnni  512-bit vpdpbusd, AVX512 float kernels, bf16 KV cache with AVX512-BF16
 //   amx          AMX-INT8 tile multiplies for steps of 2+ rows (and AMX-BF16 attention)
 // The active path is the highest one the CPU runs that is not above the cap

@@ -58,8 +58,8 @@ namespace {
 // longer prefills use the PyTorch path. fused_step.MAX_ROWS is the same number.
 constexpr int64_t kMaxRows = 128;
 // Most query vectors one attention call takes (step_kernels.h). Each call streams (and for
-// a bf16 cache transposes) its kv head's keys once: 32 made a 5.3k-token prefill 1.2x faster
-// than 16; 64 was no better.
+// a bf16 cache transposes) its kv head's keys once, so more queries a call share that
+// stream; 32 made long prefills faster than 16, and 64 was no better.
 using quasar::step::kMaxGroupQueries;
 using quasar::step::KeyMap;
 using quasar::step::key_row;

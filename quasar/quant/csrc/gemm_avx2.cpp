@@ -33,13 +33,12 @@ namespace {
 
 // How far ahead of its loads the streaming pass asks for weights, into L2. A 64-byte line
 // costs this kernel ~10 instructions (the AVX512 kernel's: two), so the out-of-order window
-// holds few lines in flight and the hardware prefetcher alone left a one-row 1.5B step at
-// 1.58x its streaming floor. With this (and the symmetric form) it is 1.39x, 0.5B shapes
-// 1.3-1.45x (scripts/step_rows.py, forced AVX2 on a Xeon). Into L1 (_MM_HINT_T0) was worse
-// (1.6x): its few fill buffers, not the distance, are the limit; 2 and 8 KiB were no better.
-// Not every CPU gains: on a Zen 4 the hardware prefetcher streams long runs faster alone, and
-// a one-row 1.5B step took 37 ms with these prefetches only on each stream's first 64 KiB,
-// 45 ms with them throughout (StreamAhead::prefetch_stream; the step-cost probe picks).
+// holds few lines in flight and the hardware prefetcher alone leaves a one-row step well
+// above its streaming floor; 4 KiB ahead brings it closer (2 and 8 KiB were no better).
+// Not into L1 (_MM_HINT_T0): its few fill buffers, not the distance, are the limit there.
+// Not every CPU gains: on some the hardware prefetcher streams long runs faster alone, so
+// one-row passes may prefetch only each stream's first 64 KiB (StreamAhead::prefetch_stream;
+// the step-cost probe picks per CPU and model).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // Several rows: the tile a block of kBlockGroups groups (16 KiB of a full tile, in L1) at a
@@ -47,12 +46,9 @@ constexpr int64_t kPrefetchBytes = 4096;
 // kBlockAheadBytes further on are prefetched a few a group, spread over all of the block's
 // passes, so memory keeps streaming at its pace while the cores multiply. It replaced a first
 // row streaming the whole tile and the other rows passing over it in L2, which fetched the
-// next tile meanwhile: there the stream waited whenever the arithmetic ran. A 1.5B W8A8 step
-// of 2 / 4 / 8 rows on a Zen 5 forced to AVX-VNNI took 1.46x / 1.66x / 2.24x a one-row step,
-// now 1.19x / 1.29x / 2.08x; forced to AVX2, whose rows are arithmetic-bound (~0.3 of a step
-// each), 1.19x / 1.48x / 2.55x went to 1.12x / 1.40x / 2.50x (the two ways switched in one
-// process between rounds; the same bits). 32-128 groups, and 16-64 KiB ahead, were within
-// noise of these.
+// next tile meanwhile: there the stream waited whenever the arithmetic ran, and multi-row
+// steps cost more on both AVX-VNNI and AVX2 (the same bits either way). 64 groups and 16 KiB
+// ahead sit in a flat range: 32-128 groups and 16-64 KiB ahead were within noise.
 constexpr int64_t kBlockGroups = 64;
 constexpr int64_t kBlockAheadBytes = 16 << 10;
 

@@ -15,10 +15,9 @@
 // summed into each int32 lane) on the weight repacked once, at load, into tiles of 64 rows
 // (pack_tiles): each 64-byte load holds the next four weights of 16 rows, so a vpdpbusd with
 // four broadcast activation bytes (x + 128 as uint8) adds into 16 output sums at once, a
-// tile is one sequential stream (the row-major layout's 8 interleaved row streams reached
-// about half the memory bandwidth: lm_head of 1.5B at M = 1, 12.9 ms row-major vs 7.5 ms
-// tiled), and no horizontal sums are left at the end. Then 128 * rowsum(W) ("comp") is
-// subtracted. Integer sums are exact (vpdpbusd wraps,
+// tile is one sequential stream (the row-major layout's 8 interleaved row streams reach far
+// less of the memory bandwidth), and no horizontal sums are left at the end. Then
+// 128 * rowsum(W) ("comp") is subtracted. Integer sums are exact (vpdpbusd wraps,
 // never saturates, and the wrapped sum minus comp is the true value, which fits in int32
 // for K <= MAX_IN_FEATURES), so the int32s, and with the unchanged epilogue the outputs,
 // are bitwise those of the oneDNN path. Only that function is compiled for AVX512 (target
@@ -133,8 +132,7 @@ QUASAR_INLINE void quantize_split(const float* x, int64_t m_len, int64_t k_len, 
 constexpr int64_t kSmallMaxRows = 16;  // rows int8_linear sends to small_m_gemm by default
 // Rows small_m_gemm takes: every row passes over a weight tile while it is in L2, so many
 // rows (a prefill chunk) read the weights from memory once, not once per 16 rows. With AMX
-// int8_linear sends it all of these by default (2.5-4x faster than oneDNN from 17 to 128
-// rows: a 49152 x 576 lm_head at 24 rows 0.95 vs 2.5 ms).
+// int8_linear sends it all of these by default: faster than oneDNN over the whole range.
 constexpr int64_t kTiledMaxRows = 128;
 // Largest M sent to small_m_gemm (0 disables it; -1: the default, see small_m_limit);
 // settable for benchmarks and tests.
@@ -150,7 +148,7 @@ bool vnni_supported() {
 #endif
 }
 
-// AMX (Sapphire Rapids and later): the same u8 x s8 -> int32 sums from tile matrix
+// AMX (the AMX-INT8 tile instructions): the same u8 x s8 -> int32 sums from tile matrix
 // multiplies, 16 rows x 16 outputs x 64 weights in one tdpbusd, at about 1,000 products a
 // cycle per core against VNNI's ~100, so a step's extra rows (drafts, batched sequences,
 // prefill chunks) cost little more than its first. Used for M >= g_amx_min_rows.
@@ -199,7 +197,7 @@ inline int32_t load_u32(const uint8_t* p) {
 // activation bytes per row and R * NV vpdpbusd; the R * NV accumulators stay in registers
 // (R * NV <= 24, plus NV weights and a broadcast: at most 29 of the 32 zmm registers) and
 // are final when the loop ends, so there is no horizontal reduction. (Keep the loop this
-// plain: a separate tail step made GCC spill the accumulators, 3x slower.)
+// plain: a separate tail step made GCC spill the accumulators.)
 template <int R, int NV>
 QUASAR_VNNI void tile_pass(const uint8_t* x, int64_t ldx, int64_t K, const int8_t* t, int64_t group_bytes,
                            int32_t* acc) {
@@ -494,8 +492,7 @@ namespace {
 // quasar::prefetch_whole_stream (int8_gemm.h): 1, the default, or 0. Which is faster depends on
 // the CPU: int8_stream_prefetch sets it from a measurement (step_cost.py). In the int8 kernels
 // steps of more rows always prefetch: their streaming pass alternates with passes that fetch
-// ahead in software, which the hardware prefetcher does not follow (2 rows, 1.5B, Zen 4:
-// 59 ms prefetching, 68 ms not).
+// ahead in software, which the hardware prefetcher does not follow.
 std::atomic<int64_t> g_stream_prefetch{1};
 
 // The bytes the thread reads after the tile that ends at vector `v_next` of its range [.., v1),
@@ -503,12 +500,9 @@ std::atomic<int64_t> g_stream_prefetch{1};
 // rows cost arithmetic the stream would otherwise wait for; see gemm_avx2.cpp): from the start
 // of the tile holding v_next (in its own segment: the next weight may be another array) up to
 // one tile, at most kAheadMaxBytes, and never past the range's part of that segment (the
-// other thread's bytes).
-// Measured on a 1.5B model, forced AVX2 on a Zen 4 (Transformer.step, 2 threads, the settings
-// interleaved round by round), when the rows after the first passed over a whole tile in L2:
-// steps of 1 / 2 / 4 / 6 rows went from 53 / 67 / 96 / 126 ms to 52 / 64 / 81 / 108 ms (a
-// fixed 64 KiB or 1 MiB ahead was worse); 135M: 7.3 / 10.2 / 13.2 to 6.5 / 8.8 / 11.9 ms at
-// 2 / 4 / 6 rows.
+// other thread's bytes). One tile ahead lets the rows after the first pass over a whole tile
+// in L2; it made multi-row steps on forced AVX2 faster than without, and a fixed 64 KiB or
+// 1 MiB ahead was slower than one tile.
 constexpr int64_t kAheadMaxBytes = 256 << 10;
 
 quasar::StreamAhead stream_ahead(const quasar::SmallMGemm& g, const int64_t* vector_first, int64_t s, int64_t v_next,

@@ -1,10 +1,10 @@
 // The refined head's last part (quasar/quant/refined_head.py): in each row of a step's 4-bit
 // logits, those at least the row's top_k-th largest become the int8 head's logits, in place.
 //
-// Why: in torch (topk, nonzero, a gather of int8 weight rows, their products) this took 0.4-0.7
-// ms of a 1.5B W4A8 one-row step and 1.4-1.8 ms of a 6-row tree step (24 and 26 ms on a Zen 5);
-// here 0.1-0.2 and 0.25 ms: a row costs one scan for its threshold, one compare pass and
-// top_k dot products, most of it waiting on the chosen tokens' scattered int8 weight rows.
+// Why: in torch it takes several ops (topk, nonzero, a gather of int8 weight rows, their
+// products) and a visible share of a step; here a row costs one scan for its threshold, one
+// compare pass and top_k dot products, most of it waiting on the chosen tokens' scattered
+// int8 weight rows.
 //
 // The contract is RefinedHead's torch path, bit for bit (tests/test_w4a8_verifier.py):
 // - kth = torch.topk's top_k-th largest value of the row, where a NaN ranks above every

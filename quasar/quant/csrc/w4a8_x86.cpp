@@ -14,11 +14,9 @@
 // A pass that streams prefetches kPrefetchBytes ahead (gemm_avx2.cpp too, 4 KB ahead): these
 // kernels spend several instructions per 64-byte line, a pass of many rows dozens, so the
 // out-of-order window alone keeps few lines in flight. Steps of several rows always ask
-// (w4_vector_rows): without it a 1.5B W4A8 step of 8 rows took 2.85x a one-row step on a
-// Zen 5 (AVX512-VNNI), with it 1.35x (both with the kernel below). Where the hardware
-// prefetcher streams faster alone (a Zen 4: a 1.5B W4A8 one-row step 45 -> 27 ms on AVX2,
-// 31 -> 28 ms on AVX512-VNNI) the caller passes prefetch = false to one-row passes past each
-// stream's start (prefetch_whole_stream).
+// (w4_vector_rows): without it their extra rows cost a large share of a one-row step. Where
+// the hardware prefetcher streams faster alone (on some CPUs) the caller passes prefetch =
+// false to one-row passes past each stream's start (prefetch_whole_stream).
 #include "w4a8_gemm.h"
 
 #include <array>
@@ -31,10 +29,9 @@
 namespace quasar {
 namespace {
 
-// 32 KB: a 1.5B W4A8 step on a Zen 5 (2 threads, in one process, distances interleaved) took
-// 17.8 / 24.4 ms for 1 / 6 rows at 4 KB, 16.7 / 20.2 at 32 KB, no less at 64-128 KB; forced
-// AVX2, 2 rows 19.3 -> 17.0 ms. Lines a pass asks for past its part of a weight (32 KB a
-// thread and linear) are wasted reads, ~1% of a step's.
+// 32 KB: far enough to cover the several instructions these kernels spend per cache line
+// (4 KB was slower, 64-128 KB no faster). Lines a pass asks for past its part of a weight
+// (32 KB a thread and linear) are wasted reads, ~1% of a step's.
 constexpr int64_t kPrefetchBytes = 32 << 10;
 
 inline int32_t load_u32(const int8_t* p) {
@@ -161,15 +158,13 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
 // ------------------------------------------------------------------ AVX512-VNNI
 // One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled
 // (STEPS = group / 8 is a template argument), which lets GCC keep every accumulator in a
-// register; with a run-time step count it copied them around the loop and spilled, and a
-// step of 6 rows cost 1.4x what it does now (Zen 5, in cache). Up to 8 rows, row r's low and
-// high nibbles go into two int32 accumulators, added before the epilogue (integer sums, so
-// the same bits): one chain would put two dependent vpdpbusd on it every step, and a pass of
-// a few rows waited on those chains (in cache on a Zen 5, 4-6 rows of a 1.5B gate/up or down
-// projection took 4-5% longer with one). From 9 rows there are chains enough, and one
-// accumulator a row leaves the registers for the rows. Registers: 2R (R <= 8) or R int32
-// accumulators + R float ones + 6 others; past R = 13 GCC keeps some float ones in L1, which
-// costs less than a second pass.
+// register; with a run-time step count it copied them around the loop and spilled. Up to 8
+// rows, row r's low and high nibbles go into two int32 accumulators, added before the
+// epilogue (integer sums, so the same bits): one chain would put two dependent vpdpbusd on
+// it every step, and a pass of a few rows waited on those chains. From 9 rows there are
+// chains enough, and one accumulator a row leaves the registers for the rows. Registers:
+// 2R (R <= 8) or R int32 accumulators + R float ones + 6 others; past R = 13 GCC keeps some
+// float ones in L1, which costs less than a second pass.
 template <int R, int STEPS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
                                                                          const W4Acts& a, float* out, bool pf) {
