@@ -61,8 +61,10 @@ def ray_start(port: int):
     return ray, serve
 
 
-def deploy(serve, url: str, a: argparse.Namespace, replicas: int, threads: int, router: str | None = None) -> str:
-    """Deploy the arm's application; the model id it serves."""
+def deploy(serve, url: str, a: argparse.Namespace, replicas: int, threads: int, router: str | None = None,
+           name: str | None = None) -> str:
+    """Deploy the arm's application (`name`: its own, so Ray's proxy makes a new handle and router
+    for it rather than reusing the last arm's); the model id it serves."""
     from ray.serve.config import RequestRouterConfig
 
     from quasar.server.ray_app import APP_NAME, parse_settings, quasar_app
@@ -70,14 +72,14 @@ def deploy(serve, url: str, a: argparse.Namespace, replicas: int, threads: int, 
     settings = parse_settings({"model": a.model, "replicas": replicas, "threads": threads,
                                "max_context": a.max_context, **({"drafter": a.drafter} if a.drafter else {})})
     options = {} if router is None else {"request_router_config": RequestRouterConfig(request_router_class=router)}
-    serve.run(quasar_app(settings, **options), name=APP_NAME, route_prefix="/")
+    serve.run(quasar_app(settings, **options), name=name or APP_NAME, route_prefix="/")
     return served_model(url)
 
 
-def undeploy(serve) -> None:
+def undeploy(serve, name: str | None = None) -> None:
     from quasar.server.ray_app import APP_NAME
 
-    serve.delete(APP_NAME)
+    serve.delete(name or APP_NAME)
 
 
 def warm(url: str, model: str) -> None:
@@ -157,12 +159,12 @@ def affinity(a: argparse.Namespace, serve, url: str) -> dict:
     chats = task_prompts("chat", a.conversations)
     out = {}
     for name, router in (("affinity", ROUTER), ("round_robin", "quasar.server.ray_router:RoundRobinRouter")):
-        model = deploy(serve, url, a, 2, 1, router)
+        model = deploy(serve, url, a, 2, 1, router, name=f"quasar-{name}")
         try:
             warm(url, model)
             out[name] = conversations(url, model, chats, a)
         finally:
-            undeploy(serve)
+            undeploy(serve, f"quasar-{name}")
     return out
 
 

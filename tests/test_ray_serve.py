@@ -286,7 +286,8 @@ def test_a_conversations_second_turn_goes_to_the_replica_of_its_first(client):
 @pytest.mark.slow
 def test_a_conversation_over_its_replicas_limit_spills_to_the_other(client):
     """One session, more requests at once than a replica's batch (the router's affinity limit):
-    the home replica takes a batch's worth, the rest go to the least loaded replica."""
+    the home replica takes no more than a batch or one beyond the other's load, the rest go to
+    the least loaded replica, so both serve it."""
     def one(i):
         raw = client.chat.completions.with_raw_response.create(
             messages=_chat(f"Write a poem about the number {i}."), model="SmolLM2-135M-Instruct", max_tokens=24,

@@ -8,9 +8,11 @@ hashes to (rendezvous hashing over the live replicas, so every proxy of a cluste
 same one and a replica leaving moves only its own conversations). The home is offered
 first and the others after it; Ray sends the request to the first offered replica with room
 (its max_ongoing_requests), the least loaded of the others when the home has none. A home
-with `affinity_limit` requests in flight already (what it last reported, or what this
-router has sent and offered it since, whichever is more) is not preferred: the request goes
-to the least loaded replica, which becomes the home.
+is not preferred when it has `affinity_limit` requests in flight already, or more than
+`affinity_slack` beyond the least loaded replica (in flight: what it last reported, or what
+this router has sent and offered it since, whichever is more): the request goes to the least
+loaded replica, which becomes the home. The slack keeps conversations from piling onto a few
+replicas while others idle, which cost more throughput than their warm state gave back.
 Requests without a key are routed by power of two choices, as Ray's default router does.
 """
 
@@ -23,6 +25,7 @@ from collections import OrderedDict, defaultdict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+DEFAULT_SLACK = 0  # a home is chosen while no replica has fewer requests in flight
 DEFAULT_REMEMBERED = 100_000  # conversations whose replica a router keeps (least recently used go first)
 OFFER_TTL_S = 10.0  # an offer not sent by then was cancelled or rerouted: it no longer counts
 
@@ -32,8 +35,10 @@ def rendezvous_score(key: str, replica: str) -> int:
 
 
 class ConversationRouter(RequestRouter):
-    def initialize_state(self, affinity_limit: int = 8, remembered: int = DEFAULT_REMEMBERED, **_):
+    def initialize_state(self, affinity_limit: int = 8, affinity_slack: int = DEFAULT_SLACK,
+                         remembered: int = DEFAULT_REMEMBERED, **_):
         self.affinity_limit = max(1, int(affinity_limit))
+        self.affinity_slack = max(0, int(affinity_slack))
         self.remembered = max(1, int(remembered))
         self._homes: OrderedDict[str, ReplicaID] = OrderedDict()  # key -> the replica last sent it
         # What this router has in flight, to see a replica fill before its reports say so:
@@ -51,7 +56,8 @@ class ConversationRouter(RequestRouter):
         if not key:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         home = self.home(key, candidate_replicas)
-        if self.load(home) < self.affinity_limit:
+        least = min(self.load(r) for r in candidate_replicas)
+        if self.load(home) < min(self.affinity_limit, least + self.affinity_slack + 1):
             ranks = [[home], [r for r in candidate_replicas if r.replica_id != home.replica_id]]
         else:  # the least loaded first, by what this router knows
             ranks = [[r] for r in sorted(candidate_replicas, key=self.load)]
