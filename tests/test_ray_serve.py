@@ -415,3 +415,29 @@ def test_scaling_down_lets_the_streams_in_flight_finish(client):
         assert time.monotonic() < deadline, serve.status()
         time.sleep(0.5)
 
+
+
+@pytest.mark.slow
+def test_an_api_key_guards_the_replicas_as_it_does_one_process(cluster):
+    """The same access rules through Ray's proxy: with a key every route but /health needs it
+    (last in the module: it redeploys the application with a key)."""
+    import urllib.error
+    import urllib.request
+
+    from ray import serve
+
+    from quasar.server.ray_app import APP_NAME, build_app
+
+    serve.run(build_app({**SETTINGS, "replicas": 1, "api_key": "s3cret"}), name=APP_NAME, route_prefix="/")
+
+    def status(path: str, key: str | None = None) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(cluster["url"] + path, headers=headers), timeout=60) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert status("/health") == 200
+    assert status("/v1/models") == 401 and status("/v1/models", "wrong") == 401
+    assert status("/v1/models", "s3cret") == 200

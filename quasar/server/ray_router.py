@@ -8,10 +8,10 @@ hashes to (rendezvous hashing over the live replicas, so every proxy of a cluste
 same one and a replica leaving moves only its own conversations). The home is offered
 first and the others after it; Ray sends the request to the first offered replica with room
 (its max_ongoing_requests), the least loaded of the others when the home has none. A home
-is not preferred when it has `affinity_limit` requests in flight already, or more than
-`affinity_slack` beyond the least loaded replica (in flight: what it last reported, or what
-this router has sent and offered it since, whichever is more): the request goes to the least
-loaded replica, which becomes the home. The slack keeps conversations from piling onto a few
+is not preferred when it has `affinity_limit` requests in flight already (what it last
+reported, or what this router has sent and offered it since, whichever is more), or when
+this router has more than `affinity_slack` requests in flight on it beyond its fewest on any
+replica: the request goes to the least loaded replica, which becomes the home. The slack keeps conversations from piling onto a few
 replicas while others idle, which cost more throughput than their warm state gave back.
 Requests without a key are routed by power of two choices, as Ray's default router does.
 """
@@ -56,8 +56,10 @@ class ConversationRouter(RequestRouter):
         if not key:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         home = self.home(key, candidate_replicas)
-        least = min(self.load(r) for r in candidate_replicas)
-        if self.load(home) < min(self.affinity_limit, least + self.affinity_slack + 1):
+        # balance by what this router itself has in flight (exact for its own requests); a
+        # replica's reported queue length can be a burst old and would send a conversation away
+        least = min(self.in_flight(r) for r in candidate_replicas)
+        if self.load(home) < self.affinity_limit and self.in_flight(home) <= least + self.affinity_slack:
             ranks = [[home], [r for r in candidate_replicas if r.replica_id != home.replica_id]]
         else:  # the least loaded first, by what this router knows
             ranks = [[r] for r in sorted(candidate_replicas, key=self.load)]
@@ -72,12 +74,16 @@ class ConversationRouter(RequestRouter):
                 return replica
         return max(candidates, key=lambda r: rendezvous_score(key, r.replica_id.unique_id))
 
+    def in_flight(self, replica: RunningReplica) -> int:
+        """Requests this router has sent `replica` and not seen completed, or offered it and not sent yet."""
+        rid, now = replica.replica_id, time.monotonic()
+        offered = sum(1 for r, t in self._offered.values() if r == rid and now - t < OFFER_TTL_S)
+        return self._sent[rid] + offered
+
     def load(self, replica: RunningReplica) -> int:
         """Requests in flight on `replica`: what it last reported, or what this router sent and
         offered it since, whichever is more."""
-        rid, now = replica.replica_id, time.monotonic()
-        offered = sum(1 for r, t in self._offered.values() if r == rid and now - t < OFFER_TTL_S)
-        return max(self.replica_queue_len_cache.get(rid) or 0, self._sent[rid] + offered)
+        return max(self.replica_queue_len_cache.get(replica.replica_id) or 0, self.in_flight(replica))
 
     def _offer(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
         if len(self._offered) > 10_000:  # cancelled before they were sent
