@@ -142,7 +142,7 @@ def _stores_int4(source: str | Path, raw: dict) -> bool:
     info = raw.get("quasar_gguf")
     if isinstance(info, dict) and isinstance(info.get("int4_tensors"), bool):
         return info["int4_tensors"]
-    path = _gguf_file(source)
+    path = gguf_file(source)
     if path is None:
         return False
     from quasar.models.gguf_groups import stores_int4
@@ -150,11 +150,11 @@ def _stores_int4(source: str | Path, raw: dict) -> bool:
     return stores_int4(path)
 
 
-def _gguf_file(source: str | Path) -> Path | None:
-    """The GGUF file a model source names ('default' is one), or None."""
+def gguf_file(source: str | Path) -> Path | None:
+    """The GGUF file a model source (`--model`) names ('default' is one), or None (a directory)."""
     if str(source) == "default":
         from quasar.data.packages import default_model_path
 
         return Path(default_model_path())
     path = Path(source).expanduser()
-    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
+    return path if path.suffix.lower() == ".gguf" else None

@@ -147,9 +147,10 @@ def _run_quantize_w4(args, out: Path) -> int:
     import dataclasses
 
     from quasar.errors import QuasarError
-    from quasar.quant.w4a8_verifier import GROUP, gguf_path, write_w4a8_checkpoint
+    from quasar.models.loader import gguf_file
+    from quasar.quant.w4a8_verifier import GROUP, write_w4a8_checkpoint
 
-    gguf = gguf_path(args.model) is not None
+    gguf = gguf_file(args.model) is not None
     flags = _CALIBRATION_FLAGS if gguf else _NOT_W4
     given = [f"--{k.replace('_', '-')}" for k in flags if getattr(args, k, None) is not None]
     given += ["--no-smooth-o-down"] if args.no_smooth_o_down else []

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from quasar.errors import QuasarError
-from quasar.models.gguf_groups import stores_int4
 from quasar.models.llama import Transformer
+from quasar.models.loader import gguf_file
 from quasar.quant.exact_head import ExactTopHead
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.refined_head import DEFAULT_TOP_K, RefinedHead
@@ -68,7 +68,7 @@ LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
 
 def gguf_source(loaded) -> Path | None:
     """The GGUF file `loaded` (a LoadedModel) was converted from, or None (a directory)."""
-    return gguf_path(str(loaded.source))
+    return gguf_file(loaded.source)
 
 
 def groups_source(loaded, layout: str = FAITHFUL) -> Path | None:
@@ -78,17 +78,7 @@ def groups_source(loaded, layout: str = FAITHFUL) -> Path | None:
     gguf = gguf_source(loaded)
     if gguf is None or check_layout(layout) == SMALL:
         return gguf
-    return gguf if stores_int4(gguf) else None
-
-
-def gguf_path(model: str) -> Path | None:
-    """The GGUF file a `--model` value names ('default' is one), or None (a directory)."""
-    if model == "default":
-        from quasar.data.packages import default_model_path
-
-        return Path(default_model_path())
-    path = Path(model).expanduser()
-    return path if path.suffix.lower() == ".gguf" else None
+    return gguf if loaded.stores_int4 else None
 
 
 def gguf_int4_groups(path: Path, cfg) -> dict[str, Callable[[], tuple]]:
@@ -134,8 +124,7 @@ def cache_path(loaded, layout: str = FAITHFUL) -> Path:
     from quasar.quant import verifier
     from quasar.quant.w4a8_checkpoint import FORMAT_VERSION
 
-    # Not groups_source: the GGUF's content decides which way it is built, and parsing its header
-    # would cost a warm start seconds at 1.5B.
+    # Not groups_source: the GGUF's content (in the key) decides which way it is built.
     gguf = gguf_source(loaded)
     key: dict = {"gguf": file_key(gguf) if gguf is not None else None, "w4a8_format": FORMAT_VERSION}
     if gguf is not None:

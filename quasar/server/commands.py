@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from quasar.errors import QuasarError
-from quasar.server.serve_args import add_serve_args, api_key, check_args, check_port, names
+from quasar.server.serve_args import add_serve_args, check_args, check_port, names, warn_if_open
 
 
 def register(sub) -> None:
@@ -45,15 +45,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401
 
-        from quasar.server.access import is_loopback
         from quasar.server.app import UVICORN_STACK
         from quasar.server.launch import describe, engine_app, url
     except ModuleNotFoundError as e:
         raise QuasarError(f"'quasar serve' needs {e.name}: pip install fastapi uvicorn") from None
 
-    if not is_loopback(args.host) and api_key(args) is None:
-        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it "
-              "(by the host names of --allowed-hosts)", file=sys.stderr)
+    warn_if_open(args)
     # The weights load lazily: engine_app builds the default verifier before listening, so
     # bad weights fail here and the first request is not the one that waits for them.
     app = engine_app(args, progress=sys.stderr.isatty())

@@ -16,10 +16,9 @@ import sys
 import threading
 
 from quasar.errors import QuasarError
-from quasar.server.access import is_loopback
 from quasar.server.affinity import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from quasar.server.launch import url
-from quasar.server.serve_args import api_key, check_port
+from quasar.server.serve_args import api_key, check_port, warn_if_open
 
 RAY_EXTRA = "pip install 'quasar-llm[ray]'"
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
@@ -77,9 +76,7 @@ def run_replicas(args: argparse.Namespace) -> int:
     from quasar.server.ray_app import APP_NAME, quasar_app, replica_threads
 
     args.api_key = api_key(args)  # this shell's $QUASAR_API_KEY, which a joined cluster's replicas lack
-    if not is_loopback(args.host) and args.api_key is None:
-        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it "
-              "(by the host names of --allowed-hosts)", file=sys.stderr)
+    warn_if_open(args)
     most = args.max_replicas or args.replicas
     start_ray(ray, args, most * replica_threads(args))
     try:
