@@ -25,7 +25,10 @@ from collections import OrderedDict, defaultdict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-DEFAULT_SLACK = 0  # a home is chosen while no replica has fewer requests in flight
+# A home is chosen while it has at most one request in flight more than the least busy replica:
+# Ray reports a request complete after its client has the reply, so a conversation's next turn
+# can find its home still counting the turn before.
+DEFAULT_SLACK = 1
 DEFAULT_REMEMBERED = 100_000  # conversations whose replica a router keeps (least recently used go first)
 OFFER_TTL_S = 10.0  # an offer not sent by then was cancelled or rerouted: it no longer counts
 
