@@ -25,7 +25,7 @@ from quasar.defaults import DEFAULT_BATCH_ROWS, DEFAULT_CONTEXT, DEFAULT_MAX_BAT
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
-from quasar.quant import step_cost
+from quasar.runtime import step_cost
 from quasar.quant.options import QuantOptions
 from quasar.speculative.registry import AUTO, make_drafter, resolve_drafter
 from quasar.speculative.batch import BatchDecoder, decode
@@ -33,7 +33,7 @@ from quasar.speculative.drafters import Drafter
 from quasar.speculative.generate import Chunk, Result
 from quasar.speculative.options import (DecodeOptions, DecodePlan, DraftOptions, SamplingOptions, check_int)
 from quasar.speculative.tree_drafter import RecyclingTable
-from quasar.speculative.verifiers import QUANTIZED, build_verifier, canonical_verifier, parse_verifier
+from quasar.engine.verifiers import QUANTIZED, build_verifier, canonical_verifier, parse_verifier
 
 
 @dataclass
@@ -44,7 +44,7 @@ class GenerationResult:
     drafter: str
     verifier: str
     stats: dict
-    kernel_path: str = "pytorch"  # how the verifier's int8 kernels ran (quasar.quant.ext.kernel_path)
+    kernel_path: str = "pytorch"  # how the verifier's int8 kernels ran (quasar.kernels.ext.kernel_path)
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -165,18 +165,18 @@ class LLM:
         return self.model
 
     def _w8a8(self) -> Transformer:
-        from quasar.quant.verifier import w8a8_verifier
+        from quasar.engine.w8a8_verifier import w8a8_verifier
 
         return w8a8_verifier(self.loaded, self.quant)
 
     def _w4a8(self) -> Transformer:
-        from quasar.quant.w4a8_verifier import w4a8_verifier
+        from quasar.engine.w4a8_verifier import w4a8_verifier
 
         return w4a8_verifier(self.loaded)
 
     def _w4a8_small(self) -> Transformer:
         from quasar.quant.w4a8_layouts import SMALL
-        from quasar.quant.w4a8_verifier import w4a8_verifier
+        from quasar.engine.w4a8_verifier import w4a8_verifier
 
         return w4a8_verifier(self.loaded, layout=SMALL)
 
@@ -224,7 +224,7 @@ class LLM:
         """The drafter a call decodes with: `drafter` (None: this LLM's default), where "auto"
         becomes tree drafts if `verifier` is a quantized model (W8A8 or W4A8) whose fused step,
         measured on this CPU, takes 16 rows at little more than the cost of one or takes 10 ms
-        or more for one row (quasar.quant.step_cost.StepCosts.prefers_trees), else the chain
+        or more for one row (quasar.runtime.step_cost.StepCosts.prefers_trees), else the chain
         (quasar.defaults.DEFAULT_DRAFTER)."""
         drafter = drafter or self.drafter
         trees = False
@@ -328,7 +328,7 @@ class LLM:
         """The kernel path `verifier` (None: this LLM's) decodes on: the int8 kernels' (amx,
         avx512-vnni, avx-vnni, avx2 or portable) for w8a8, the 4-bit kernels' for w4a8 (its
         int8 layers run the same path or, with AMX, the tiles), "pytorch" for float verifiers."""
-        from quasar.quant import ext
+        from quasar.kernels import ext
 
         paths = {"w8a8": ext.kernel_path, "w4a8": ext.w4a8_kernel_path, "w4a8-small": ext.w4a8_kernel_path}
         return paths.get(parse_verifier(verifier or self.verifier)[0], lambda: ext.PYTORCH_PATH)()

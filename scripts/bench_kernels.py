@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quasar.quant.int8 import Int8Linear
-from quasar.quant.numerics import quantize_activation, scale_output
-from quasar.quant.kernels import CPU_VARIANTS, exact_cpu_variants
+from quasar.runtime.w8a8 import Int8Linear
+from quasar.runtime.w8a8_numerics import quantize_activation, scale_output
+from quasar.runtime.w8a8_backends import CPU_VARIANTS, exact_cpu_variants
 
 # (name, out_features, in_features): SmolLM2-135M layers, plus a Qwen2.5-1.5B MLP layer.
 SHAPES = [

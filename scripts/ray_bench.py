@@ -67,7 +67,7 @@ def deploy(serve, url: str, a: argparse.Namespace, replicas: int, threads: int, 
     for it rather than reusing the last arm's); the model id it serves."""
     from ray.serve.config import RequestRouterConfig
 
-    from quasar.server.ray_app import APP_NAME, parse_settings, quasar_app
+    from quasar.cli.ray_app import APP_NAME, parse_settings, quasar_app
 
     settings = parse_settings({"model": a.model, "replicas": replicas, "threads": threads,
                                "max_context": a.max_context, **({"drafter": a.drafter} if a.drafter else {})})
@@ -77,7 +77,7 @@ def deploy(serve, url: str, a: argparse.Namespace, replicas: int, threads: int, 
 
 
 def undeploy(serve, name: str | None = None) -> None:
-    from quasar.server.ray_app import APP_NAME
+    from quasar.cli.ray_app import APP_NAME
 
     serve.delete(name or APP_NAME)
 
@@ -154,7 +154,7 @@ def conversations(url: str, model: str, chats, a: argparse.Namespace) -> dict:
 
 
 def affinity(a: argparse.Namespace, serve, url: str) -> dict:
-    from quasar.server.ray_app import ROUTER
+    from quasar.cli.ray_app import ROUTER
 
     chats = task_prompts("chat", a.conversations)
     out = {}

@@ -26,7 +26,7 @@ import torch
 from quasar.api import LLM
 from quasar.bench.bandwidth import measure_read_bandwidth
 from quasar.models.rows import Rows
-from quasar.quant.step_cost import weight_bytes
+from quasar.runtime.step_cost import weight_bytes
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, then explain it."
 
@@ -63,7 +63,7 @@ def main() -> None:
                 times[k].append(min(tries))
     floors = [read / gbps / 1e9 for gbps in bandwidth]  # seconds, per round
     one = statistics.median(times[counts[0]])
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     path = ext.w4a8_kernel_path() if args.verifier == "w4a8" else ext.kernel_path()
     print(f"{args.verifier} kernel path {path} (QUASAR_ISA=... forces a lower one); CPU {_cpu()}")

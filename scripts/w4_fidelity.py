@@ -43,8 +43,8 @@ from torch import nn
 
 from quasar.api import LLM
 from quasar.eval.fidelity import compare_models, fidelity_text
-from quasar.quant.numerics import quantize_activation, quantize_weight
-from quasar.quant.w4a8_numerics import dequantize_w4, quantize_weight_w4
+from quasar.runtime.w8a8_numerics import quantize_activation, quantize_weight
+from quasar.runtime.w4a8_numerics import dequantize_w4, quantize_weight_w4
 
 
 class FakeQuantLinear(nn.Module):

@@ -40,9 +40,9 @@ def _time(fns: dict[str, Callable[[], object]], rounds: int, budget_s: float) ->
 
 def _calls(n: int, k: int, m: int, group: int) -> tuple[dict[str, Callable[[], object]], dict[str, int]]:
     """The W4 and W8 calls for one shape and row count, and the weight bytes each reads."""
-    from quasar.quant import ext
-    from quasar.quant.int8 import Int8Linear
-    from quasar.quant.w4a8_numerics import w4_weight_bytes
+    from quasar.kernels import ext
+    from quasar.runtime.w8a8 import Int8Linear
+    from quasar.runtime.w4a8_numerics import w4_weight_bytes
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from quasar.bench.runner import environment
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if ext.w4a8_linear_op() is None:
         raise SystemExit(f"the W4A8 C++ op is unavailable: {ext.info()}")

@@ -42,7 +42,7 @@ def _greedy(model_dir: Path) -> list[int]:
 def _entry(model_dir: Path) -> Path:
     import torch
 
-    from quasar.quant.verifier import cache_path
+    from quasar.engine.w8a8_verifier import cache_path
 
     return cache_path(model_dir, torch.float32, FAST.cache_key(None))
 

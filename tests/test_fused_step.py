@@ -1,4 +1,4 @@
-"""The fused W8A8 decoder layer (quasar.quant.fused_step): it is really used, its logits
+"""The fused W8A8 decoder layer (quasar.runtime.fused_step): it is really used, its logits
 stay as close to the float model as the module path's, a token's logits do not depend on
 the tokens verified with it, and it gets out of the way when it does not apply."""
 
@@ -14,9 +14,9 @@ from conftest import make_tiny_model
 from quasar.models.llama import Transformer
 from quasar.models.rows import Rows
 from quasar.models.loader import load_model
-from quasar.quant import ext
+from quasar.kernels import ext
 from quasar.quant.checkpoint import save_checkpoint
-from quasar.quant.int8 import Int8Linear
+from quasar.runtime.w8a8 import Int8Linear
 from quasar.quant.quantize import build_w8a8
 
 pytestmark = pytest.mark.skipif(ext.decoder_layer_op() is None,
@@ -178,7 +178,7 @@ needs_bf16 = pytest.mark.skipif(not ext.bf16_kv_supported(), reason="a bf16 KV c
 def test_kv_cache_is_bf16_where_the_op_attends_over_it(models, monkeypatch):
     """head_dim 32 (the tiny qwen3) takes the bf16 cache; head_dim 16 keeps float32 (the
     bf16 kernel works on pairs of 16-dim halves); QUASAR_KV_DTYPE=fp32 turns it off."""
-    from quasar.quant import fused_step
+    from quasar.runtime import fused_step
 
     fp, q, _ = models["qwen3"]
     assert q.kv_dtype == torch.bfloat16 and q.setup_cache(64).k.dtype == torch.bfloat16
@@ -360,7 +360,7 @@ def test_w8a8_models_get_the_row_select_op_and_their_row_cost(models):
     """install() gives a W8A8 model the one-pass argmax / top-k (the same tokens as torch's)
     and the row cost of this CPU's kernel; float models keep torch and the default cost."""
     from quasar.defaults import DEFAULT_ROW_COST
-    from quasar.quant import step_cost
+    from quasar.runtime import step_cost
 
     fp, q, ids = models["qwen3"]
     assert q.select_kernel is not None and fp.select_kernel is None
@@ -450,7 +450,7 @@ def test_avx2_and_portable_steps_are_bitwise_equal(models, monkeypatch, kv):
     """The AVX2 float kernels and the plain C++ ones are one code (step_vec8.inc) with the same
     IEEE operations in the same order: a tree step over a long context gives the same bits,
     over a float32 cache and over a bfloat16 one (stored rounded, widened to float32 on load)."""
-    from quasar.quant import fused_step
+    from quasar.runtime import fused_step
 
     monkeypatch.setenv(fused_step.ENV_KV_DTYPE, kv)
     _, q, ids = models["qwen3"]

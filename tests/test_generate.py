@@ -283,9 +283,10 @@ def test_cli_generate_with_the_tree_drafter(char_llm, capsys):
 def test_auto_drafter_follows_the_measured_step_costs(char_llm):
     """`auto` (the default) decodes with tree drafts only where the quantized verifier's
     fused step (W8A8 or W4A8), timed on this CPU for this model, takes 16 rows at little
-    more than one row's cost or one row takes 10 ms or more (quasar.quant.step_cost), measured again for another kernel
+    more than one row's cost or one row takes 10 ms or more (quasar.runtime.step_cost), measured again for another kernel
     path; every result names the drafter and the kernel path that actually ran."""
-    from quasar.quant import ext, step_cost
+    from quasar.kernels import ext
+    from quasar.runtime import step_cost
 
     model = char_llm.verifier_model("w8a8")
     costs = model.step_costs

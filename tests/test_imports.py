@@ -29,17 +29,24 @@ import quasar
 # (`quasar.__main__` runs the CLI when imported; it is `python -m quasar`, not a module to import)
 MODULES = sorted(m.name for m in pkgutil.walk_packages(quasar.__path__, "quasar.") if m.name != "quasar.__main__")
 # layer -> packages it must never load
+FRONT_ENDS = ("quasar.api", "quasar.bench", "quasar.eval", "quasar.server", "quasar.cli")
 FORBIDDEN = {
-    "quasar.cache": ("quasar.models", "quasar.data", "quasar.quant", "quasar.speculative", "quasar.api",
-                     "quasar.bench", "quasar.eval", "quasar.server", "quasar.cli"),
-    "quasar.models": ("quasar.quant", "quasar.speculative", "quasar.api", "quasar.bench", "quasar.eval",
-                      "quasar.server", "quasar.cli"),
-    "quasar.data": ("quasar.models", "quasar.quant", "quasar.speculative", "quasar.api", "quasar.bench",
-                    "quasar.eval", "quasar.server", "quasar.cli"),
-    "quasar.quant": ("quasar.speculative", "quasar.api", "quasar.bench", "quasar.eval", "quasar.server",
-                     "quasar.cli"),
-    "quasar.speculative": ("quasar.quant", "quasar.api", "quasar.bench", "quasar.eval", "quasar.server",
-                           "quasar.cli"),
+    "quasar.cache": ("quasar.models", "quasar.data", "quasar.kernels", "quasar.runtime", "quasar.quant",
+                     "quasar.engine", "quasar.speculative", *FRONT_ENDS),
+    "quasar.data": ("quasar.models", "quasar.kernels", "quasar.runtime", "quasar.quant", "quasar.engine",
+                    "quasar.speculative", *FRONT_ENDS),
+    "quasar.models": ("quasar.kernels", "quasar.runtime", "quasar.quant", "quasar.engine", "quasar.speculative",
+                      *FRONT_ENDS),
+    "quasar.kernels": ("quasar.models", "quasar.runtime", "quasar.quant", "quasar.engine", "quasar.speculative",
+                       *FRONT_ENDS),
+    "quasar.runtime": ("quasar.quant", "quasar.engine", "quasar.speculative", *FRONT_ENDS),
+    "quasar.quant": ("quasar.engine", "quasar.speculative", *FRONT_ENDS),
+    "quasar.speculative": ("quasar.kernels", "quasar.runtime", "quasar.quant", "quasar.engine", *FRONT_ENDS),
+    "quasar.engine": FRONT_ENDS,
+    "quasar.api": ("quasar.bench", "quasar.eval", "quasar.server", "quasar.cli"),
+    "quasar.bench": ("quasar.cli",),
+    "quasar.eval": ("quasar.cli",),
+    "quasar.server": ("quasar.cli",),
 }
 PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
          "print(json.dumps(sorted(m for m in sys.modules if m.startswith('quasar'))))")
@@ -60,7 +67,7 @@ def imported() -> dict[str, list[str]]:
 
 
 def test_walks_the_whole_package():
-    assert {"quasar.models.llama", "quasar.quant.int8", "quasar.speculative.generate", "quasar.api",
+    assert {"quasar.models.llama", "quasar.runtime.w8a8", "quasar.speculative.generate", "quasar.api",
             "quasar.cli"} <= set(MODULES)
 
 
@@ -152,7 +159,7 @@ def test_the_graph_sees_every_kind_of_import():
     assert set(graph) >= set(MODULES)
     assert "quasar.bench.engine" in graph["quasar.bench.openvino"]  # module level, from X import Y
     assert "quasar.api" in graph["quasar.bench.runner"]  # inside run_bench
-    assert "quasar.quant.ext" in graph["quasar.quant.kernels"]  # from a package import a module
+    assert "quasar.kernels.ext" in graph["quasar.runtime.w8a8_backends"]  # from a package import a module
 
 
 def test_circles_are_found():

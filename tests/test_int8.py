@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from quasar.errors import QuasarError
-from quasar.quant import kernels
-from quasar.quant.int8 import Int8Linear, set_backend
-from quasar.quant.numerics import quantize_activation, quantize_weight, reference_mm, scale_output
+from quasar.runtime import w8a8_backends as kernels
+from quasar.runtime.w8a8 import Int8Linear, set_backend
+from quasar.runtime.w8a8_numerics import quantize_activation, quantize_weight, reference_mm, scale_output
 
 SHAPES = [(1, 1), (3, 5), (64, 48), (131, 37), (577, 193), (1100, 70)]  # (K, N)
 CUDA = torch.cuda.is_available()
@@ -59,7 +59,7 @@ def test_backend_gemm_is_exact(backend: str) -> None:
 def test_every_cpu_variant_is_exact() -> None:
     """Every oneDNN variant kept is exact here (on a CPU without VNNI none is: its int16 pairs
     saturate), and the C++ op lets oneDNN serve long steps only where s8 is."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if ext.int8_linear_op() is not None:
         kernels.cpu_fused(kernels.cpu_pack(torch.ones(3, 8, dtype=torch.int8)))  # tells the op
@@ -244,7 +244,7 @@ def _pip_ninja() -> bool:
 @pytest.fixture
 def ext_op():
     """The C++ op; it must build wherever a toolchain exists (else the test is skipped)."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if ext.disabled():
         pytest.skip(f"{ext.ENV_DISABLE} is set")
@@ -340,7 +340,7 @@ def test_ext_edge_cases(ext_op, monkeypatch) -> None:
 
 
 def test_ext_disabled_by_env(monkeypatch) -> None:
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     monkeypatch.setenv("QUASAR_NO_EXT", "1")
     assert ext.disabled() and ext.int8_linear_op() is None
@@ -352,7 +352,7 @@ def test_ext_disabled_by_env(monkeypatch) -> None:
 
 def _fresh_ext(monkeypatch: pytest.MonkeyPatch, cache) -> object:
     """ext with no load attempted yet, caching under ``cache``, library not registered."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     monkeypatch.setenv("QUASAR_CACHE", str(cache))
     monkeypatch.delenv("QUASAR_NO_EXT", raising=False)
@@ -427,7 +427,7 @@ def test_ext_later_processes_load_from_cache(ext_op) -> None:
     import sys
 
     code = (
-        "from quasar.quant import ext; op = ext.int8_linear_op(); i = ext.info(); "
+        "from quasar.kernels import ext; op = ext.int8_linear_op(); i = ext.info(); "
         "print(i['state'], i['seconds'])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -438,7 +438,7 @@ def test_ext_later_processes_load_from_cache(ext_op) -> None:
 
 # ---------------------------------------------------------------- small-M kernel (ext), every path
 def _kernel_path_params():
-    from quasar.quant.ext import KERNEL_PATHS
+    from quasar.kernels.ext import KERNEL_PATHS
 
     return list(KERNEL_PATHS)
 
@@ -448,7 +448,7 @@ def small_m(ext_op, request):
     """The op with its small-M kernel on, once per kernel path this CPU runs (portable, avx2,
     avx-vnni, avx512-vnni, amx; the others are skipped), forced as QUASAR_ISA would; the
     threshold and the path are restored afterwards."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if not ext.cpu_runs(request.param):
         pytest.skip(f"this CPU does not run the {request.param} kernel path")
@@ -466,7 +466,7 @@ def _op_reference(x, w, ws, bias) -> torch.Tensor:
 
 @pytest.mark.parametrize("k", [1, 2, 63, 64, 65, 577, 1536])
 def test_small_m_kernel_is_bitwise_equal_to_reference(small_m, k: int) -> None:
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     gen = torch.Generator().manual_seed(k)
     for n in (1, 7, 65, 193):
@@ -501,7 +501,7 @@ def test_small_m_threads_may_share_a_tile(small_m, threads: int) -> None:
     thread's next tile ahead (AVX2, AVX-VNNI), and one-row passes past each thread's first 64 KiB
     may leave the stream to the hardware prefetcher (prefetch_whole_stream(False)): no bit
     changes either way."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     old_threads, old_max, old_whole = torch.get_num_threads(), ext.small_m_max(32), ext.prefetch_whole_stream()
     gen = torch.Generator().manual_seed(threads)
@@ -532,7 +532,7 @@ def test_ext_parallel_loops_use_torch_threads(ext_op) -> None:
     OpenMP it would quietly run every GEMM and attention loop on one core."""
     import os
 
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs at least 2 CPUs")
@@ -548,7 +548,7 @@ def test_ext_parallel_loops_use_torch_threads(ext_op) -> None:
 
 def test_small_m_kernel_wraps_exactly(small_m) -> None:
     """Past K = 65793 the u8 sums overflow int32; minus comp the result is still exact."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     k, n = 70001, 3
     w = torch.full((n, k), -128, dtype=torch.int8)
@@ -575,7 +575,7 @@ def test_small_m_rows_are_batch_independent(small_m) -> None:
 
 
 def test_small_m_kernel_can_be_disabled(small_m, monkeypatch) -> None:
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     _, layer = _layer(576, 192)
     plain = _without_ext(layer, monkeypatch)
@@ -596,7 +596,7 @@ def test_small_m_kernel_takes_a_prefill_chunk_bitwise(small_m, act_bits: int) ->
     """The fused op's GEMMs multiply all rows of a step (up to 128) in one small-M call,
     each weight tile read once and every row passed over it from L2: the same bits as
     oneDNN and the reference, and each row's result is its own whatever the row count."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     for k, n in ((577, 193), (1536, 130)):
         _, layer = _layer(k, n, bias=True)
@@ -662,7 +662,7 @@ def test_act15_is_much_closer_to_the_float_layer() -> None:
 def test_tile_layout_matches_its_definition(small_m) -> None:
     """pack_tiles against the layout written out index by index (int8_gemm.h), then the
     footer whose first byte says the weights are symmetric (no -128)."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     gen = torch.Generator().manual_seed(3)
     for n, k, symmetric in ((1, 1, True), (17, 5, False), (64, 8, True), (100, 131, False), (130, 4, True)):
@@ -690,7 +690,7 @@ def test_released_weight_pages_leave_memory_and_lose_nothing(ext_op, tmp_path) -
     """A layer packed from a memory-mapped checkpoint drops the row-major copy's pages from
     the resident set; the weight still reads back intact (from the file)."""
     from quasar.models.safetensors_mmap import mmap_safetensors
-    from quasar.quant import ext
+    from quasar.kernels import ext
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(4)
@@ -714,7 +714,7 @@ def test_packing_hands_back_each_tiles_source_rows(ext_op, tmp_path) -> None:
     never resident twice: its pages leave while the tiles are written (an 8B model's head
     would otherwise top the decode peak)."""
     from quasar.models.safetensors_mmap import mmap_safetensors
-    from quasar.quant import ext
+    from quasar.kernels import ext
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(5)
@@ -735,7 +735,7 @@ def test_packing_hands_back_each_tiles_source_rows(ext_op, tmp_path) -> None:
 def amx(small_m):
     """The op with its AMX path available (skipped on CPUs without AMX-INT8); the AMX row
     threshold and the small-M limit are restored afterwards."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if not ext.amx_supported():
         pytest.skip("CPU without AMX-INT8 (or Linux refuses the tile state)")
@@ -750,7 +750,7 @@ def test_amx_sums_are_bitwise_the_vnni_kernels(amx, act_bits: int) -> None:
     """Tile multiplies and vpdpbusd compute the same exact int32 sums: every row count
     (one and several 16-row blocks, partial last blocks), K not a multiple of 64 (padded),
     N with partial tiles and vectors, 8- and 15-bit activations give the same bits."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     gen = torch.Generator().manual_seed(act_bits)
     for k, n in ((1, 1), (5, 17), (64, 48), (131, 100), (577, 193), (1536, 130)):
@@ -778,14 +778,14 @@ def test_kernel_path_switch(ext_op) -> None:
     naming the choices, and the ops say which path runs."""
     import subprocess
 
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     runs = [p for p in ext.KERNEL_PATHS if ext.cpu_runs(p)]
     assert runs[0] == "portable"
     cap = ext.KERNEL_PATHS.index(ext.requested_kernel_path() or "amx")  # this process's own QUASAR_ISA
     best = [p for p in runs if ext.KERNEL_PATHS.index(p) <= cap][-1]
     assert ext.kernel_path() == best or (best == "amx" and ext.amx_min_rows() == 0)
-    code = "from quasar.quant import ext; ext.int8_linear_op(); print(ext.kernel_path(), ext.bf16_kv_supported())"
+    code = "from quasar.kernels import ext; ext.int8_linear_op(); print(ext.kernel_path(), ext.bf16_kv_supported())"
     for want in runs:
         env = {**os.environ, "QUASAR_ISA": want}
         env.pop("QUASAR_NO_AMX", None)
@@ -808,7 +808,7 @@ def test_amx_is_on_by_default_and_can_be_turned_off(amx) -> None:
     QUASAR_NO_AMX=1 in a fresh process keeps the VNNI kernel and its 16-row limit."""
     import subprocess
 
-    code = ("from quasar.quant import ext; ext.int8_linear_op(); "
+    code = ("from quasar.kernels import ext; ext.int8_linear_op(); "
             "print(ext.amx_supported(), ext.amx_min_rows(), ext.small_m_max())")
     env = {k: v for k, v in os.environ.items() if k not in ("QUASAR_NO_AMX", "QUASAR_ISA")}
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -822,7 +822,7 @@ def test_amx_is_on_by_default_and_can_be_turned_off(amx) -> None:
 def test_row_argmax_topk_matches_torch(ext_op) -> None:
     """The one-pass select op picks torch.argmax's token in every row (first of equal
     maxima, -0.0 == 0.0, a NaN wins) and the same top-k values as torch.topk."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     op = ext.row_argmax_topk_op()
     gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ from quasar.quant import smooth as sm
 from quasar.quant.calibrate import CalibrationStats, StatsCollector, token_windows
 from quasar.quant.checkpoint import prepare_quantized_modules, quantization_config, save_checkpoint
 from quasar.eval.fidelity import compare_models
-from quasar.quant.int8 import Int8Linear, set_backend
+from quasar.runtime.w8a8 import Int8Linear, set_backend
 from quasar.quant.options import QuantOptions
 from quasar.quant.quantize import build_w8a8
 
@@ -171,7 +171,7 @@ def test_fixed_alpha_and_float_lm_head(llama):
 
 
 def test_gptq_rounding_beats_nearest_on_its_inputs():
-    from quasar.quant.numerics import quantize_weight
+    from quasar.runtime.w8a8_numerics import quantize_weight
     from quasar.quant.gptq import gptq_quantize
 
     gen = torch.Generator().manual_seed(0)
@@ -252,7 +252,7 @@ def test_token_logits_do_not_depend_on_other_tokens_in_the_step(llama, w8a8, fus
 
 
 def test_w8a8_verifier_is_cached(llama, tmp_path, monkeypatch):
-    from quasar.quant import verifier
+    from quasar.engine import w8a8_verifier as verifier
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
     opts = QuantOptions(samples=2, seq_len=48, alpha=0.5)

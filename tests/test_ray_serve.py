@@ -104,12 +104,12 @@ def test_deploy_files_pass_rays_own_schema():
     pytest.importorskip("ray")
     from ray.serve.schema import ServeDeploySchema
 
-    from quasar.server.ray_app import DEPLOYMENT_NAME, build_app
+    from quasar.cli.ray_app import DEPLOYMENT_NAME, build_app
 
     for config in _serve_configs():
         schema = ServeDeploySchema.model_validate(config)
         (app,) = schema.applications
-        assert app.import_path == "quasar.server.ray_app:build_app"
+        assert app.import_path == "quasar.cli.ray_app:build_app"
         assert build_app(app.args) is not None  # the args are `quasar serve` options
         assert [d.name for d in app.deployments] in ([], [DEPLOYMENT_NAME])
 
@@ -168,7 +168,7 @@ def cluster(ray_instance, fresh_cache):
     """The application deployed (2 replicas) while two plain processes load the same model."""
     from ray import serve
 
-    from quasar.server.ray_app import APP_NAME, build_app
+    from quasar.cli.ray_app import APP_NAME, build_app
 
     seen: set[str] = set()
     stop = threading.Event()
@@ -203,8 +203,8 @@ def one_process(cluster):
     import torch
 
     from quasar.server.app import BackgroundServer
-    from quasar.server.launch import engine_app
-    from quasar.server.ray_app import parse_settings
+    from quasar.cli.serve_launch import engine_app
+    from quasar.cli.ray_app import parse_settings
 
     threads = torch.get_num_threads()
     app = engine_app(parse_settings(SETTINGS))
@@ -343,7 +343,7 @@ def test_a_killed_replica_is_restarted_and_nothing_hangs(client):
     import ray
     from ray import serve
 
-    from quasar.server.ray_app import APP_NAME, DEPLOYMENT_NAME
+    from quasar.cli.ray_app import APP_NAME, DEPLOYMENT_NAME
 
     seen: list[str] = []
     with ThreadPoolExecutor(6) as pool:
@@ -389,7 +389,7 @@ def _wait_for_replacement(serve, app: str, deployment: str, victim: str, timeout
 def test_scaling_down_lets_the_streams_in_flight_finish(client):
     from ray import serve
 
-    from quasar.server.ray_app import APP_NAME, DEPLOYMENT_NAME, parse_settings, quasar_app
+    from quasar.cli.ray_app import APP_NAME, DEPLOYMENT_NAME, parse_settings, quasar_app
 
     seen: list[str] = []
     n = SETTINGS["max_batch"] + 2  # one session over a replica's limit: streams on both replicas
@@ -426,7 +426,7 @@ def test_an_api_key_guards_the_replicas_as_it_does_one_process(cluster):
 
     from ray import serve
 
-    from quasar.server.ray_app import APP_NAME, build_app
+    from quasar.cli.ray_app import APP_NAME, build_app
 
     serve.run(build_app({**SETTINGS, "replicas": 1, "api_key": "s3cret"}), name=APP_NAME, route_prefix="/")
 

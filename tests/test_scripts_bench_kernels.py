@@ -18,7 +18,7 @@ def test_prints_a_row_per_shape_and_m(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     header = lines[1].split(" | ")
     assert header[:3] == ["shape", "M", "fp32"] and header[-2:] == ["Int8Linear", "fp32/Int8Linear"]
-    from quasar.quant.kernels import exact_cpu_variants
+    from quasar.runtime.w8a8_backends import exact_cpu_variants
 
     # a column pair per exact oneDNN variant: none where oneDNN is not exact (CPUs without VNNI)
     for name in exact_cpu_variants():

@@ -98,12 +98,12 @@ def test_a_gguf_kept_wider_than_4_bits_by_layout(tmp_path, random_model):
     the file's tensors: it is a float model to calibrate and GPTQ-round, whose value and down
     projections that llama.cpp's Q4_K_M keeps in 6 bits stay int8."""
     from quasar.models.loader import load_model
-    from quasar.quant.int8 import Int8Linear
-    from quasar.quant.refined_head import RefinedHead
-    from quasar.quant.w4a8 import W4A8Linear
+    from quasar.runtime.w8a8 import Int8Linear
+    from quasar.runtime.refined_head import RefinedHead
+    from quasar.runtime.w4a8 import W4A8Linear
     from quasar.quant.w4a8_layouts import SMALL, keeps_wider
-    from quasar.quant.w4a8_numerics import dequantize_w4, fit_weight_w4_affine
-    from quasar.quant.w4a8_verifier import LAYER_LINEARS, groups_source, w4a8_verifier
+    from quasar.runtime.w4a8_numerics import dequantize_w4, fit_weight_w4_affine
+    from quasar.engine.w4a8_verifier import LAYER_LINEARS, groups_source, w4a8_verifier
 
     path = tmp_path / "m.gguf"
     rmg.write_gguf(random_model, path, default_model_path())

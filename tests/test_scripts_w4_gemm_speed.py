@@ -15,7 +15,7 @@ _spec.loader.exec_module(ws)
 
 
 def test_prints_a_row_per_shape_and_m(monkeypatch, capsys):
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if ext.w4a8_linear_op() is None:
         pytest.skip("no W4A8 C++ op")

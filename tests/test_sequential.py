@@ -20,7 +20,7 @@ from quasar.errors import QuasarError
 from quasar.models.hf import load_hf_dir
 from quasar.models.loader import load_model
 from quasar.quant import sequential
-from quasar.quant.int8 import Int8Linear
+from quasar.runtime.w8a8 import Int8Linear
 from quasar.quant.options import QuantOptions
 from quasar.quant.quantize import build_w8a8, quantize_to_dir
 
@@ -101,7 +101,7 @@ def test_sequential_is_as_faithful_as_the_whole_model_reference(monkeypatch):
     96.75% / 0.003137, 3% apart the other way; the margins cover both."""
     from quasar.data.calibration import calibration_texts
     from quasar.eval.fidelity import compare_models
-    from quasar.quant import fused_step
+    from quasar.runtime import fused_step
 
     monkeypatch.setenv(fused_step.ENV_KV_DTYPE, "fp32")
 
@@ -145,7 +145,7 @@ def test_truncated_source_shard_is_a_clear_error(tmp_path, default_model_dir):
 
 
 def test_truncated_checkpoint_shard_is_rebuilt_by_the_verifier_cache(qwen2, tmp_path, monkeypatch):
-    from quasar.quant.verifier import w8a8_verifier
+    from quasar.engine.w8a8_verifier import w8a8_verifier
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path / "cache"))
     opts = QuantOptions(samples=2, seq_len=48)

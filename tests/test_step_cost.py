@@ -1,4 +1,4 @@
-"""Measured step costs (quasar.quant.step_cost): the rule that turns step times into a row
+"""Measured step costs (quasar.runtime.step_cost): the rule that turns step times into a row
 cost, a pass size and the auto drafter's choice, and the probe on a real fused W8A8 step."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import torch
 
 from conftest import make_tiny_model
 from quasar.models.loader import load_model
-from quasar.quant import ext, step_cost
+from quasar.kernels import ext
+from quasar.runtime import step_cost
 from quasar.quant.quantize import build_w8a8
-from quasar.quant.step_cost import PROBE_ROWS, StepCosts
+from quasar.runtime.step_cost import PROBE_ROWS, StepCosts
 
 
 def costs(*ratios: float) -> StepCosts:

@@ -12,10 +12,10 @@ import torch
 
 from quasar.errors import QuasarError
 from quasar.models.loader import load_model
-from quasar.quant import ext
-from quasar.quant.exact_head import DEFAULT_TOP_K, ExactTopHead
+from quasar.kernels import ext
+from quasar.runtime.exact_head import DEFAULT_TOP_K, ExactTopHead
 from quasar.quant.w4a8_checkpoint import EXACT_HEAD
-from quasar.quant.w4a8 import W4A8Linear
+from quasar.runtime.w4a8 import W4A8Linear
 
 IDS = [1, 504, 3136, 282, 253, 1767, 30, 378, 2143, 314, 4704, 28]
 
@@ -32,7 +32,7 @@ def _logits(model, ids=IDS) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def built():
     """The default model's W4A8 verifier built in memory, and its loaded float model."""
-    from quasar.quant.w4a8_verifier import build_w4a8
+    from quasar.engine.w4a8_verifier import build_w4a8
 
     loaded = load_model("default")
     return loaded, build_w4a8(loaded)
@@ -77,7 +77,7 @@ def test_the_streamed_checkpoint_is_the_in_memory_one(built, checkpoint, tmp_pat
     """write_w4a8_checkpoint (what `quasar quantize --bits 4` and the cache write, a part at
     a time) holds bitwise the tensors and the config of the model build_w4a8 makes in memory."""
     from quasar.models.hf import read_safetensors, weight_files
-    from quasar.quant.w4a8_verifier import write_w4a8_checkpoint
+    from quasar.engine.w4a8_verifier import write_w4a8_checkpoint
 
     loaded, _ = built
     streamed = write_w4a8_checkpoint(loaded, tmp_path / "streamed", {"source": "default"})
@@ -107,7 +107,7 @@ def test_llm_decodes_a_w4a8_checkpoint_with_its_own_verifier(checkpoint) -> None
 
 
 def test_the_cache_is_written_once_and_loaded_after(monkeypatch, tmp_path) -> None:
-    from quasar.quant import w4a8_verifier as wv
+    from quasar.engine import w4a8_verifier as wv
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     loaded = load_model("default")

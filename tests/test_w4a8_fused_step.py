@@ -1,4 +1,4 @@
-"""The W4A8 verifier's steps in the fused decoder op (quasar.quant.fused_step, issue #34):
+"""The W4A8 verifier's steps in the fused decoder op (quasar.runtime.fused_step, issue #34):
 W4A8Linear and Int8Linear layers in any mix run in one C++ call, close to the modules'
 logits, each row bitwise alone (greedy speculative == greedy autoregressive), on every
 kernel path the CPU has."""
@@ -13,11 +13,11 @@ from test_fused_step import (CACHE, PROMPT, assert_fused_and_close,
                              assert_tree_rows_are_their_paths, batch_rows, fused_calls, long_ids,
                              random_tree, step_logits, tree_step)
 from quasar.models.loader import load_model
-from quasar.quant import ext
-from quasar.quant.int8 import Int8Linear
-from quasar.quant.w4a8 import W4A8Linear
+from quasar.kernels import ext
+from quasar.runtime.w8a8 import Int8Linear
+from quasar.runtime.w4a8 import W4A8Linear
 from quasar.quant.w4a8_layouts import SMALL
-from quasar.quant.w4a8_verifier import w4a8_verifier
+from quasar.engine.w4a8_verifier import w4a8_verifier
 
 pytestmark = pytest.mark.skipif(ext.decoder_layer_op() is None or ext.w4a8_linear_op() is None,
                                 reason="the fused W4A8 step needs the C++ ops (a C++ compiler and ninja)")
@@ -164,7 +164,7 @@ def test_default_model_w4a8_step_is_fused_and_close_to_the_modules():
 def test_avx2_and_portable_steps_are_bitwise_equal(models):
     """The AVX2 and plain C++ paths: the same float kernels (step_vec8.inc) and W4A8 kernels
     with the same exact sums and epilogue, so a mixed tree step gives the same bits."""
-    from quasar.quant import fused_step
+    from quasar.runtime import fused_step
 
     _, q, ids = models["qwen3", "mixed"]
     tokens, parents = random_tree(9, 9, 1000)

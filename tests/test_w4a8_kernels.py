@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from quasar.quant.w4a8_numerics import reference_linear_w4a8
+from quasar.runtime.w4a8_numerics import reference_linear_w4a8
 
 W4_PATHS = ("portable", "avx2", "avx-vnni", "avx512-vnni")  # amx runs the avx512-vnni kernel
 
 
 @pytest.fixture(scope="module")
 def w4_op():
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if ext.disabled():
         pytest.skip(f"{ext.ENV_DISABLE} is set")
@@ -35,7 +35,7 @@ def w4_op():
 @pytest.fixture(params=W4_PATHS)
 def w4_path(w4_op, request):
     """The op, once per kernel path this CPU runs, forced as QUASAR_ISA would."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if not ext.cpu_runs(request.param):
         pytest.skip(f"this CPU does not run the {request.param} kernel path")
@@ -52,7 +52,7 @@ def _weights(gen: torch.Generator, n: int, k: int, group: int):
 
 
 def _pack(q, scales, offsets, group):
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     return ext.pack_w4(q, scales, offsets, group)
 
@@ -83,7 +83,7 @@ def test_prefetching_only_stream_starts_changes_no_bit(w4_path) -> None:
     """One-row passes past each thread's first 64 KiB of a weight may leave the stream to the
     hardware prefetcher (ext.prefetch_whole_stream(False)); a weight of 320 KiB takes both
     kinds of pass, and either way the outputs are the reference's bits."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     gen = torch.Generator().manual_seed(5)
     n, k, group = 520, 1024, 32  # 33 vectors of 10 KiB
@@ -141,7 +141,7 @@ def test_packed_layout() -> None:
     """The layout csrc/w4a8_gemm.h documents: per vector of 16 rows and group, 64-byte steps
     (byte 4 i + j = q[i][k0 + j] | q[i][k0 + 4 + j] << 4), then 16 float16 scales, then 16
     float16 offsets."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if ext.int8_linear_op() is None:
         pytest.skip("no C++ op")
@@ -205,13 +205,13 @@ def test_errors_name_the_problem(w4_op) -> None:
 def test_a_wrong_kernel_disables_only_its_path(w4_op) -> None:
     """In a fresh process whose self-check finds the avx2 W4A8 kernel wrong: a warning names
     it, the W4A8 op runs portable where avx2 is forced, and the int8 ops keep avx2."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if not ext.cpu_runs("avx2"):
         pytest.skip("this CPU does not run the avx2 kernel path")
     code = """
 import logging
-from quasar.quant import ext
+from quasar.kernels import ext
 logging.basicConfig(level=logging.WARNING)
 real = ext._w4_mismatch
 ext._w4_mismatch = lambda path: "forced" if path == "avx2" else real(path)

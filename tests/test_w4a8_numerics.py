@@ -1,4 +1,4 @@
-"""The W4A8 reference numbers (quasar.quant.w4a8_numerics): the contract W4A8 kernels meet."""
+"""The W4A8 reference numbers (quasar.runtime.w4a8_numerics): the contract W4A8 kernels meet."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from quasar.errors import QuasarError
-from quasar.quant.numerics import quantize_activation
-from quasar.quant.w4a8_numerics import (MIN_SCALE, activation_group_sums, as_group_params, dequantize_w4, group_sums,
+from quasar.runtime.w8a8_numerics import quantize_activation
+from quasar.runtime.w4a8_numerics import (MIN_SCALE, activation_group_sums, as_group_params, dequantize_w4, group_sums,
                                         n_groups, pack_int4, quantize_activation_groups, quantize_weight_w4,
                                         quantize_weight_w4_affine, reference_linear_w4a8, scale_output_w4,
                                         symmetric_as_affine, unpack_int4, w4_weight_bytes)
@@ -216,7 +216,7 @@ def test_fitted_groups_beat_min_max_and_keep_a_4bit_grid(k: int, group: int) -> 
     """``fit_weight_w4_affine``: on Gaussian weights (a ragged last group at K=200) its weighted
     error is below the min-max quantizer's (0.80x measured), it stays in the stored form (q in [0, 15],
     float16 scales and offsets), and weights already on a 4-bit grid come back exactly."""
-    from quasar.quant.w4a8_numerics import fit_weight_w4_affine
+    from quasar.runtime.w4a8_numerics import fit_weight_w4_affine
 
     gen = torch.Generator().manual_seed(k)
     w = torch.randn(32, k, generator=gen) * torch.logspace(-2, 0, 32)[:, None]

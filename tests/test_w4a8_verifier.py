@@ -1,4 +1,4 @@
-"""The W4A8 verifier (quasar.quant.w4a8_verifier): a 4-bit GGUF's own groups as W4A8 layers."""
+"""The W4A8 verifier (quasar.engine.w4a8_verifier): a 4-bit GGUF's own groups as W4A8 layers."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from torch import nn
 
 from quasar.errors import QuasarError
 from quasar.models.loader import load_model
-from quasar.quant.int8 import Int8Linear
-from quasar.quant.w4a8 import W4A8Linear
-from quasar.quant.exact_head import ExactTopHead
-from quasar.quant.refined_head import RefinedHead
+from quasar.runtime.w8a8 import Int8Linear
+from quasar.runtime.w4a8 import W4A8Linear
+from quasar.runtime.exact_head import ExactTopHead
+from quasar.runtime.refined_head import RefinedHead
 from quasar.quant.w4a8_layouts import FAITHFUL, SMALL, keeps_wider
-from quasar.quant.w4a8_numerics import (dequantize_w4, fit_weight_w4_affine, quantize_weight_w4,
+from quasar.runtime.w4a8_numerics import (dequantize_w4, fit_weight_w4_affine, quantize_weight_w4,
                                         reference_linear_w4a8, symmetric_as_affine)
 
 
 @pytest.fixture(scope="module")
 def default_w4a8():
-    from quasar.quant.w4a8_verifier import w4a8_verifier
+    from quasar.engine.w4a8_verifier import w4a8_verifier
 
     loaded = load_model("default")
     return loaded, w4a8_verifier(loaded)
@@ -27,7 +27,7 @@ def default_w4a8():
 
 @pytest.fixture(scope="module")
 def default_w4a8_small(default_w4a8):
-    from quasar.quant.w4a8_verifier import w4a8_verifier
+    from quasar.engine.w4a8_verifier import w4a8_verifier
 
     loaded = default_w4a8[0]
     return loaded, w4a8_verifier(loaded, layout=SMALL)
@@ -160,7 +160,7 @@ def test_the_refine_op_gives_the_torch_paths_bits(path) -> None:
     """The C++ refinement (csrc/refined_head.cpp) against RefinedHead's torch path, bit for bit:
     random logits, many ties, -0.0, rows holding fewer and more NaNs than top_k, one row and
     many; on the AVX512 scan and the plain one."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     if ext.refine_head_rows_op() is None:
         pytest.skip("no C++ op (QUASAR_NO_EXT or no toolchain)")

@@ -90,7 +90,7 @@ def export_python() -> Path:
 
 def export_dir(model_dir: Path) -> Path:
     """Cache entry of the int8 IR export of `model_dir`."""
-    from quasar.quant.verifier import model_identity
+    from quasar.engine.w8a8_verifier import model_identity
 
     blob = json.dumps({"model": model_identity(model_dir), "task": EXPORT_TASK,
                        "weight_format": EXPORT_WEIGHT_FORMAT, "format": EXPORT_FORMAT}, sort_keys=True)

@@ -199,7 +199,7 @@ class QuasarMode(Contender):
             model = self.llm.verifier_model(self.verifier)
         except QuasarError as e:
             raise Unavailable(str(e)) from None
-        from quasar.speculative.verifiers import model_bytes
+        from quasar.engine.verifiers import model_bytes
 
         self.bytes_per_step = model_bytes(model)
         self.kv_element_size = model.cache.k.element_size()
@@ -308,7 +308,7 @@ def _git_commit() -> str | None:
 
 def _kernel_path() -> str:
     """The int8 kernels' path this run's W8A8 engines decode on (amx ... portable, or pytorch)."""
-    from quasar.quant import ext
+    from quasar.kernels import ext
 
     return ext.kernel_path()
 

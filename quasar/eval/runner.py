@@ -24,7 +24,7 @@ from quasar.eval.tasks import FIDELITY, TASKS, EvalConfig, ppl_window
 
 def parse_verifiers(spec: str) -> list[str]:
     """'fp,w8a8' -> ['fp', 'w8a8']: one verifier, or two to compare (the first is the baseline)."""
-    from quasar.speculative.verifiers import parse_verifier
+    from quasar.engine.verifiers import parse_verifier
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not 1 <= len(names) <= 2 or len(set(names)) != len(names):

@@ -238,11 +238,11 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.cache: KVCache | None = None
         # dtype of the KV cache; None: the model's float dtype. W8A8 models on an AVX512-BF16
-        # CPU keep it in bfloat16 (quasar.quant.fused_step.install).
+        # CPU keep it in bfloat16 (quasar.runtime.fused_step.install).
         self.kv_dtype: torch.dtype | None = None
         # Optional fast path for verifier steps: a callable (x, cos, sin, cache, rows) -> the
         # hidden states after all layers, or None to run the modules. Installed by
-        # quasar.quant.fused_step on W8A8 models.
+        # quasar.runtime.fused_step on W8A8 models.
         self.step_kernel = None
         # Optional fast argmax / top-k of logits rows: (logits [R, V] float32, k) ->
         # (argmax [R], top-k ids [R, k]) with torch.argmax's choice; see row_argmax_topk.
@@ -252,7 +252,7 @@ class Transformer(nn.Module):
         # no such step): what tree drafts are sized by (the fused W8A8 step sets its own).
         self.row_cost = DEFAULT_ROW_COST
         self.pass_rows: int | None = None
-        # The measured step times behind them, once measured on this CPU (quasar.quant.step_cost).
+        # The measured step times behind them, once measured on this CPU (quasar.runtime.step_cost).
         self.step_costs = None
         # A one-row step's extra time per cached key, as a fraction of its time without
         # context (the fused step: the K/V bytes of a key over the weight bytes; 0: unknown).

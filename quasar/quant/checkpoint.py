@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.models.llama import Transformer
-from quasar.quant import fused_step
-from quasar.quant.int8 import Int8Linear
-from quasar.quant.numerics import ACT_BITS
+from quasar.runtime import fused_step
+from quasar.runtime.w8a8 import Int8Linear
+from quasar.runtime.w8a8_numerics import ACT_BITS
 
 FORMAT_VERSION = 1
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}

@@ -13,8 +13,8 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from quasar.quant.numerics import quantize_weight
-from quasar.quant.w4a8_numerics import INT4_MAX, quantize_weight_w4
+from quasar.runtime.w8a8_numerics import quantize_weight
+from quasar.runtime.w4a8_numerics import INT4_MAX, quantize_weight_w4
 
 GPTQ_DAMP = 0.1  # of the mean diagonal of X^T X
 _BLOCK = 128  # columns whose error feedback is applied as one matrix product

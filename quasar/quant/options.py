@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from quasar.errors import QuasarError
 from quasar.quant.calibrate import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
-from quasar.quant.int8 import BACKEND_NAMES
-from quasar.quant.numerics import ACT_BITS
+from quasar.runtime.w8a8 import BACKEND_NAMES
+from quasar.runtime.w8a8_numerics import ACT_BITS
 from quasar.quant.w4a8_layouts import check_layout
 
 DEFAULT_ALPHA: float | str = "auto"
@@ -16,7 +16,7 @@ DEFAULT_LM_HEAD = "int8"
 DEFAULT_SMOOTH_O_DOWN = True
 DEFAULT_ROTATE = True
 DEFAULT_GPTQ = True
-# Bits of the MLP down projection's activations (weights stay int8; see quasar.quant.int8):
+# Bits of the MLP down projection's activations (weights stay int8; see quasar.runtime.w8a8):
 # its inputs, silu(gate) * up, are the hardest for per-token int8 (ARCHITECTURE.md, "15-bit
 # activations for the MLP down projections").
 DEFAULT_DOWN_ACT_BITS = 15

@@ -23,7 +23,7 @@ from quasar.models.llama import Transformer
 from quasar.models.tensors import SafetensorsSource, StateDictSource, TensorSource
 from quasar.quant.calibrate import builtin_calibration_text, token_windows
 from quasar.quant.checkpoint import ShardWriter, checkpoint_config
-from quasar.quant.int8 import Int8Linear
+from quasar.runtime.w8a8 import Int8Linear
 from quasar.quant.options import QuantOptions
 from quasar.quant.sequential import quantize_layers
 
@@ -42,7 +42,7 @@ def _output_config(cfg: ModelConfig, opts: QuantOptions, info: dict) -> dict:
     out_cfg = dataclasses.replace(cfg, tie_word_embeddings=cfg.tie_word_embeddings and not untied)
     if opts.weight_bits == 4:
         from quasar.quant.w4a8_checkpoint import w4a8_config_of
-        from quasar.quant.w4a8_numerics import W4A8_GROUP
+        from quasar.runtime.w4a8_numerics import W4A8_GROUP
 
         from quasar.quant.sequential import WIDE_ACT_BITS
         from quasar.quant.w4a8_layouts import FAITHFUL

@@ -26,13 +26,13 @@ from quasar.models.llama import DecoderLayer, KVCache, Prefill, RMSNorm, rope_co
 from quasar.models.tensors import TensorSource
 from quasar.quant.calibrate import StatsCollector
 from quasar.quant.gptq import gptq_weights
-from quasar.quant.int8 import Int8Linear
+from quasar.runtime.w8a8 import Int8Linear
 from quasar.quant.options import QuantOptions
 from quasar.quant.smooth import (head_groups, input_owners, layer_groups, rotate_layer, rotate_rows, rotations,
                                  sample_names, smooth_groups)
-from quasar.quant.w4a8 import W4A8Linear
+from quasar.runtime.w4a8 import W4A8Linear
 from quasar.quant.w4a8_layouts import FAITHFUL, keeps_wider
-from quasar.quant.w4a8_numerics import W4A8_GROUP, symmetric_as_affine
+from quasar.runtime.w4a8_numerics import W4A8_GROUP, symmetric_as_affine
 
 WIDE_ACT_BITS = 15  # activations of the int8 linears a faithful 4-bit model keeps
 

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from quasar.errors import QuasarError
 from quasar.quant.calibrate import CalibrationStats
-from quasar.quant.numerics import quantize_activation, quantize_weight
+from quasar.runtime.w8a8_numerics import quantize_activation, quantize_weight
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ loader's strict state-dict load checks every tensor:
 - an 8-bit layer (``Int8Linear``: a float model's output head; in older checkpoints of the
   same format version, also a Q4_K_M file's Q6_K tensors and the GGUF's head): ``NAME.weight``
   int8 [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's;
-- a GGUF's output head in the small layout (``RefinedHead``, quasar.quant.refined_head):
+- a GGUF's output head in the small layout (``RefinedHead``, quasar.runtime.refined_head):
   ``lm_head.approx.*`` as a 4-bit layer and ``lm_head.exact.*`` as an 8-bit one, with
   ``head_top_k`` in the config;
-- a GGUF's output head in the faithful layout (``ExactTopHead``, quasar.quant.exact_head):
+- a GGUF's output head in the faithful layout (``ExactTopHead``, quasar.runtime.exact_head):
   ``lm_head.approx.*`` as an 8-bit layer (15-bit activations) and, unless ``head_tied`` (the
   rows are then the embedding table's), ``lm_head.exact.weight`` float32, with ``head_top_k``.
 
@@ -35,13 +35,13 @@ from torch import nn
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
-from quasar.quant import fused_step
-from quasar.quant.exact_head import ExactTopHead
-from quasar.quant.int8 import Int8Linear
-from quasar.quant.numerics import ACT_BITS
-from quasar.quant.refined_head import RefinedHead
-from quasar.quant.w4a8 import W4A8Linear
-from quasar.quant.w4a8_numerics import GROUP_SIZES, SCALE_DTYPE
+from quasar.runtime import fused_step
+from quasar.runtime.exact_head import ExactTopHead
+from quasar.runtime.w8a8 import Int8Linear
+from quasar.runtime.w8a8_numerics import ACT_BITS
+from quasar.runtime.refined_head import RefinedHead
+from quasar.runtime.w4a8 import W4A8Linear
+from quasar.runtime.w4a8_numerics import GROUP_SIZES, SCALE_DTYPE
 
 QUANT_METHOD = "quasar-w4a8"
 FORMAT_VERSION = 1
@@ -100,7 +100,7 @@ def save_w4a8_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str
     from quasar.quant.checkpoint import _state_tensors, _write_one_shard
 
     if not any(isinstance(m, W4A8Linear) for m in model.modules()):
-        raise QuasarError("save_w4a8_checkpoint expects a W4A8 model (quasar.quant.w4a8_verifier)")
+        raise QuasarError("save_w4a8_checkpoint expects a W4A8 model (quasar.engine.w4a8_verifier)")
     config = w4a8_config(model, info or {})
     tensors = _state_tensors(model, config["tie_word_embeddings"])
     return _write_one_shard(Path(out), config, tensors, Path(tokenizer_dir), exist_ok)

@@ -22,7 +22,7 @@ from quasar.server.context import ServerContext
 from quasar.server.metrics import ServerMetrics
 from quasar.server.scheduler import Scheduler
 from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS
-from quasar.speculative.verifiers import canonical_verifier
+from quasar.engine.verifiers import canonical_verifier
 
 # uvicorn's event loop and HTTP parser, named rather than "auto": the stack the server is
 # tested on, whatever else is installed (Ray's extra brings uvloop and httptools)

@@ -17,7 +17,7 @@ from quasar.server.logprobs import token_texts
 from quasar.server.metrics import ServerMetrics
 from quasar.server.openai_schema import ApiError, now
 from quasar.server.scheduler import Scheduler
-from quasar.speculative.verifiers import canonical_verifier
+from quasar.engine.verifiers import canonical_verifier
 
 
 @dataclass

@@ -1,0 +1,157 @@
+"""`quasar bench`: argparse only at import time; the runner loads torch when run."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from quasar.defaults import DEFAULT_FIDELITY_TOKENS
+from quasar.errors import QuasarError
+
+DEFAULT_MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "quasar-tree", "ngram-pruned")
+# The W4A8 verifier's modes (issue #34) run only when asked for: a second quantized verifier
+# in the process costs its build, its memory and a fidelity pass.
+MODE_NAMES = (*DEFAULT_MODE_NAMES, "ar-w4a8", "quasar-w4a8", "quasar-w4a8-tree", "ar-w4a8-small", "quasar-w4a8-small",
+              "quasar-w4a8-small-tree")
+PEER_NAMES = ("hf", "hf-pld", "llamacpp", "llamacpp-pld", "llamacpp-q8", "llamacpp-pld-q8",
+              "openvino", "openvino-pld")
+TASK_NAMES = ("code", "summarization", "qa", "math", "chat")
+PROTOCOLS = ("engines", "serving")
+SERVER_NAMES = ("quasar", "llama-server", "llama-server-spec-default", "llama-server-ngram")
+
+
+def _names(value: str, choices: tuple[str, ...], what: str, allow_none: bool) -> list[str]:
+    items = [v.strip() for v in value.replace(" ", ",").split(",") if v.strip()]
+    if items == ["all"]:
+        return list(choices)
+    if items == ["none"] and allow_none:
+        return []
+    bad = [v for v in items if v not in choices]
+    if bad or not items:
+        extra = " (or all" + (", none)" if allow_none else ")")
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or repr(value)}; "
+                                         f"choose from {', '.join(choices)}{extra}")
+    return list(dict.fromkeys(items))
+
+
+def register(sub) -> None:
+    from quasar.cli.args import add_draft_args, add_model_args
+
+    p = sub.add_parser(
+        "bench", help="benchmark Quasar's modes against peers (tokens/s, speedup, acceptance, bandwidth floor)",
+        description="Same prompts, greedy, batch 1, warm-up, engines interleaved per prompt, median of repeats, "
+                    "threads fixed. Writes report.md, results.json and PNG plots to --out. With --protocol serving, "
+                    "times servers through the OpenAI API instead (serving.md, serving.json).")
+    add_model_args(p)
+    p.add_argument("--tasks", default=",".join(TASK_NAMES),
+                   type=lambda v: _names(v, TASK_NAMES, "task", False),
+                   help=f"comma-separated tasks from the shipped data: {','.join(TASK_NAMES)} (default: all)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="JSONL prompts (prompt | messages | turns, optional category = task) instead of --tasks")
+    p.add_argument("--n", type=int, default=None,
+                   help="prompts per task (default: 5 for shipped tasks, every line of --prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default 128)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODE_NAMES),
+                   type=lambda v: _names(v, MODE_NAMES, "mode", False),
+                   help=f"Quasar modes: {','.join(MODE_NAMES)} (default: all but the w4a8 ones; ar-fp is always "
+                        "run as the baseline, except on a W8A8 checkpoint, which has no float weights)")
+    p.add_argument("--peers", default=",".join(PEER_NAMES),
+                   type=lambda v: _names(v, PEER_NAMES, "peer", True),
+                   help=f"peers: {','.join(PEER_NAMES)}, all or none (default: all; unavailable ones are reported)")
+    p.add_argument("--gguf", metavar="FILE",
+                   help="GGUF file the llama.cpp peers decode: the same model as --model in llama.cpp's format "
+                        "(default: --model itself when it is a GGUF file or the default model)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and engine; the median is kept")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up run of each engine")
+    p.add_argument("--fidelity-tokens", type=int, default=DEFAULT_FIDELITY_TOKENS, metavar="N",
+                   help="score each engine's model against the float model (top-1 agreement, KL) on the first N "
+                        f"tokens of held-out text, once per model (default {DEFAULT_FIDELITY_TOKENS}; 0: skip)")
+    add_draft_args(p)
+    p.add_argument("--bandwidth-gb", type=float, default=2.0,
+                   help="GiB read to measure memory bandwidth (keep it far above the L3 cache)")
+    p.add_argument("--out", default="bench-results", help="folder for report.md, results.json, plots")
+    p.add_argument("--json", action="store_true", help="print results JSON to stdout instead of the summary")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    _add_serving_args(p)
+    p.set_defaults(func=run_bench_command)
+
+
+def _concurrency(value: str) -> list[int]:
+    try:
+        levels = [int(v) for v in value.replace(" ", ",").split(",") if v.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency wants integers >= 1 like 1,4; got {value!r}")
+    return list(dict.fromkeys(levels))
+
+
+def _add_serving_args(p) -> None:
+    p.add_argument("--protocol", choices=PROTOCOLS, default="engines",
+                   help="engines (default): Quasar's modes and the peers in this process, batch 1. serving: "
+                        "the servers users run, each started by the bench on a loopback port and sent the same "
+                        "prompts through the OpenAI API, streamed and greedy, at each --concurrency: quasar "
+                        "serve with its defaults, llama-server plain, with --spec-default, and with the fastest "
+                        "n-gram configuration of a short sweep (named). Reports decode and aggregate tokens/s and "
+                        "time to first token in serving.md / serving.json; uses --model, --gguf, --threads, "
+                        "--tasks/--prompts/--n, --max-new-tokens, --no-warmup, --bandwidth-gb, --out")
+    p.add_argument("--concurrency", default="1,4", type=_concurrency,
+                   help="serving: requests in flight at once, one phase per value (default 1,4)")
+    p.add_argument("--servers", default=",".join(SERVER_NAMES),
+                   type=lambda v: _names(v, SERVER_NAMES, "server", False),
+                   help=f"serving: which servers, from {','.join(SERVER_NAMES)} (default: all)")
+    p.add_argument("--llama-server", metavar="FILE", default=None,
+                   help="serving: the llama-server binary (default: the one scripts/install_llamacpp.sh puts "
+                        "in the virtualenv's bin folder)")
+    p.add_argument("--quasar-serve-args", default="", metavar="ARGS",
+                   help="serving: extra options for quasar serve, e.g. \"--verifier w4a8\" (default: none)")
+
+
+def _run_serving(args) -> int:
+    from quasar.bench.serving import ServingConfig, run_serving
+    from quasar.bench.serving_report import render_markdown, to_json, write_serving
+
+    if not args.bandwidth_gb > 0:
+        raise QuasarError(f"--bandwidth-gb must be positive, got {args.bandwidth_gb}")
+    cfg = ServingConfig(
+        model=args.model, gguf=args.gguf, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
+        n=args.n, max_tokens=args.max_new_tokens, concurrency=tuple(args.concurrency), servers=tuple(args.servers),
+        llama_server=args.llama_server, quasar_args=tuple(shlex.split(args.quasar_serve_args)),
+        warmup=args.warmup, bandwidth_bytes=int(args.bandwidth_gb * 2**30), out=args.out,
+        command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
+    )
+    results = run_serving(cfg)
+    paths = write_serving(results, args.out)
+    print(to_json(results) if args.json else render_markdown(results) + f"\nWrote {paths['markdown']} and "
+          f"{paths['json']}")
+    return 0
+
+
+def run_bench_command(args) -> int:
+    if args.protocol == "serving":
+        return _run_serving(args)
+    from quasar.bench.report import summary_text, to_json, write_outputs
+    from quasar.bench.runner import BenchConfig, run_bench
+
+    if not args.bandwidth_gb > 0:
+        raise QuasarError(f"--bandwidth-gb must be positive, got {args.bandwidth_gb}")
+    cfg = BenchConfig(
+        model=args.model, dtype=args.dtype, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
+        n=args.n, max_new_tokens=args.max_new_tokens, modes=args.modes, peers=args.peers, repeats=args.repeats,
+        warmup=args.warmup, num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        draft_budget=args.draft_budget, gguf=args.gguf, fidelity_tokens=args.fidelity_tokens,
+        bandwidth_bytes=int(args.bandwidth_gb * 2**30), progress=args.progress,
+        command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
+    )
+    if args.prompts:  # fail on a bad file before loading anything heavy
+        from quasar.data.user_files import load_prompt_file
+
+        load_prompt_file(args.prompts)
+    results = run_bench(cfg)
+    paths = write_outputs(results, args.out)
+    if args.json:
+        print(to_json(results))
+    else:
+        print(summary_text(results, paths))
+    return 0

@@ -1,0 +1,285 @@
+"""What more rows cost a fused W8A8 step on this CPU: measured on the model itself, with
+priors per kernel path for models not measured yet.
+
+A verifier step of k rows (drafts, tree nodes, batched sequences) costs little more than a
+one-row step where the GEMMs have arithmetic to spare while the weights stream in (AMX
+tiles; a large model) and real time where they do not (AVX2's int8 products; a small model
+whose weights sit in L3). Rather than guessing from the CPU's name, :func:`measure` times
+steps of ``PROBE_ROWS`` rows of the model on the active kernel path, interleaved round by
+round, and caches the fastest of each (other processes only ever add time) under the model's shapes, the kernel path and build and the
+thread count (``$QUASAR_CACHE/step_costs``). :class:`StepCosts` turns them into what the
+decoder weighs drafts with:
+
+- ``pass_rows``: the most probed rows a step takes while each row past the first costs at
+  most ``CHEAP_ROW`` of a one-row step (at least ``MIN_PASS_ROWS``, a chain of k = 5
+  drafts): the rows a tree may use;
+- ``row_cost``: the least-squares slope of the step's time over its rows up to
+  ``pass_rows``, as a fraction of a one-row step (``Transformer.row_cost``);
+- ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``;
+- ``prefers_trees``: rows are cheap or a one-row step takes ``TREE_STEP_SECONDS`` or more, so
+  ``--drafter auto`` drafts trees;
+- ``prefetch_whole``: on the AVX2 and AVX-VNNI paths (and for W4A8 layers on every SIMD
+  path), whether a one-row step is faster with
+  its weight streams prefetched in software throughout or only at their starts
+  (``ext.prefetch_whole_stream``; the probe times one-row steps both ways, interleaved, and
+  :func:`install_measured` sets the faster). It depends on the CPU's hardware prefetcher and
+  on how long the model's streams are.
+
+``scripts/step_rows.py`` prints the same times with their floor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quasar.fileio import write_atomic
+from quasar.paths import cache_dir
+from quasar.runtime.w8a8 import Int8Linear
+
+__all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "install_measured", "key_cost", "measure", "prior_pass_rows",
+           "prior_row_cost"]
+
+PROBE_ROWS = (1, 2, 4, 8, 16)
+# A row costing at most this share of a one-row step is cheap enough to fill a pass with.
+# AMX steps stay under it to 16 rows; the AVX512-VNNI kernel's second pass over each weight
+# tile (7+ rows) and AVX2's int8 products (three instructions a product pair) do not.
+CHEAP_ROW = 0.04
+MIN_PASS_ROWS = 6  # the pending token and a chain of 5 drafts: never fewer
+TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
+# A one-row step at least this long is worth drafting trees for even where rows are dear: the
+# host's share of a tree step (proposing the tree in Python, scoring its rows) is small beside
+# it, and a tree priced by the measured row cost (DraftTree.worth_keeping) keeps only the nodes
+# that pay, so it beats the chain, which drafts up to k tokens on any n-gram match. Shorter
+# steps (the default model's) lose to the chain: the host's share is larger there.
+TREE_STEP_SECONDS = 0.010
+_ROUNDS = 5
+_PROMPT_TOKENS = 32
+_VERSION = 2  # of the probe: a change here invalidates cached results
+# Kernel paths whose int8 one-row passes can leave their stream to the hardware prefetcher
+# (the W4A8 kernels can on every path but the portable one).
+PREFETCH_CHOICE_PATHS = ("avx2", "avx-vnni")
+
+
+# ---------------------------------------------------------------- priors
+# Before a model's step is measured (models built outside LLM: the quantizer's, the tests'),
+# its row cost and pass rows come from the kernel path: per-row costs of the default model
+# (135 MB of int8 weights) from scripts/step_rows.py and scripts/compare_drafters.py (the
+# figures are in docs/bench/HISTORY.md). AMX is priced a little under its measured cost
+# because a path's probability, the product of its edges', undervalues deep nodes of a text
+# that repeats; the AVX512-VNNI kernel keeps 6 rows in registers and makes a further pass
+# over each weight tile past them; below AVX512 each int8 product pair takes three
+# instructions. A row's work grows with the model like the step's bytes, but its fixed share
+# shrinks: the cost is scaled by sqrt(135 MB / the model's int8 bytes).
+AMX_ROW_COST = 0.02
+VNNI_ROW_COST = 0.07
+AVX2_ROW_COST = 0.25
+_REFERENCE_BYTES = 135e6
+# Rows one pass of the GEMMs over each weight tile takes: a tdpbusd's 16 rows with AMX, 6
+# rows in registers with VNNI (the lower paths too: a chain of 5 drafts).
+AMX_PASS_ROWS = 16
+VNNI_PASS_ROWS = 6
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s quantized weights, what a step streams: every Int8Linear's in x out,
+    every W4A8Linear's in x out / 2 and its groups' scales and offsets (float16)."""
+    from quasar.runtime.w4a8 import W4A8Linear
+    from quasar.runtime.w4a8_numerics import w4_weight_bytes
+
+    total = 0
+    for m in model.modules():
+        if not getattr(m, "streamed", True):  # read a few rows a step (a RefinedHead's int8 head)
+            continue
+        if isinstance(m, Int8Linear):
+            total += m.in_features * m.out_features
+        elif isinstance(m, W4A8Linear):
+            total += w4_weight_bytes(m.out_features, m.in_features, m.group)
+    return total
+
+
+def prior_row_cost(model: nn.Module | None = None) -> float:
+    """What one more row costs a fused W8A8 step of `model` on this kernel path before it is
+    measured (Transformer.row_cost), as a fraction of a one-row step: the path's cost on the
+    default model, scaled down as sqrt(135 MB / the model's weight bytes) (at most 4x)."""
+    from quasar.defaults import DEFAULT_ROW_COST
+    from quasar.kernels import ext
+
+    path = ext.kernel_path()
+    if path == "amx":
+        base = AMX_ROW_COST
+    elif path == "avx512-vnni":
+        base = VNNI_ROW_COST
+    elif path in ext.KERNEL_PATHS:
+        base = AVX2_ROW_COST
+    else:
+        return DEFAULT_ROW_COST
+    if model is None:
+        return base
+    streamed = weight_bytes(model)
+    return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(streamed, 1)) ** 0.5))
+
+
+def prior_pass_rows() -> int | None:
+    """Rows a fused W8A8 step takes in one pass over its weights on this kernel path before it
+    is measured (None without the C++ op)."""
+    from quasar.kernels import ext
+
+    if ext.amx_supported():
+        return AMX_PASS_ROWS
+    return VNNI_PASS_ROWS if ext.small_m_supported() else None
+
+
+def key_cost(model: nn.Module) -> float:
+    """A one-row fused step's extra time per cached key, as a fraction of its time without
+    context (Transformer.key_cost): both stream from memory, so the ratio of a key's K/V bytes
+    (every layer, in the KV cache's dtype) to the quantized weight bytes (weight_bytes)."""
+    cfg = model.config
+    elem = torch.finfo(model.kv_dtype or torch.float32).bits // 8
+    key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    return key_bytes / max(weight_bytes(model), 1)
+
+
+# ---------------------------------------------------------------- measured
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of a fused step of each probed row count (the fastest of a few), on one kernel path."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    kernel_path: str
+    prefetch_whole: bool | None = None  # None: the path has no such choice
+
+    def ratio(self, k: int) -> float:
+        """A k-row step's time over a one-row step's."""
+        return self.seconds[self.rows.index(k)] / self.seconds[self.rows.index(1)]
+
+    @property
+    def pass_rows(self) -> int:
+        cheap = [k for k in self.rows if self.ratio(k) <= 1.0 + CHEAP_ROW * (k - 1)]
+        return max(MIN_PASS_ROWS, *cheap)
+
+    @property
+    def row_cost(self) -> float:
+        ks = [k for k in self.rows if 1 < k <= max(self.pass_rows, 2)]
+        slope = sum((k - 1) * (self.ratio(k) - 1.0) for k in ks) / sum((k - 1) ** 2 for k in ks)
+        return min(1.0, max(0.005, slope))
+
+    @property
+    def rows_are_cheap(self) -> bool:
+        return self.pass_rows >= TREE_ROWS
+
+    @property
+    def prefers_trees(self) -> bool:
+        """Whether ``--drafter auto`` drafts trees here (TREE_ROWS, TREE_STEP_SECONDS)."""
+        return self.rows_are_cheap or self.seconds[self.rows.index(1)] >= TREE_STEP_SECONDS
+
+
+def _cache_key(model: nn.Module, path: str) -> str:
+    from quasar.kernels import ext
+
+    cfg = model.config
+    parts = (_VERSION, path, ext.build_dir().name, torch.get_num_threads(), cfg.hidden_size, cfg.num_layers,
+             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, str(model.kv_dtype),
+             weight_bytes(model), PROBE_ROWS)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+
+
+def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], bool | None]:
+    """The fastest time of a step of each of PROBE_ROWS rows after a short prompt, in a cache of
+    its own (the model's cache is put back). choose_prefetch: one-row steps are timed with the
+    whole stream prefetched and with only its starts, in turn, and the faster way is returned
+    with its time (else None and the current way's)."""
+    from quasar.models.rows import Rows
+    from quasar.kernels import ext
+
+    saved, saved_prefetch, saved_costs = model.cache, ext.prefetch_whole_stream(), model.step_costs
+    model.cache = None
+    model.step_costs = None  # else the fused step would set its earlier choice over the probe's
+    ways = (True, False) if choose_prefetch else (saved_prefetch,)
+    try:
+        model.setup_cache(_PROMPT_TOKENS + max(PROBE_ROWS) + 1, 1)
+        ids = [(7 * i + 3) % model.config.vocab_size for i in range(_PROMPT_TOKENS)]
+        times: dict[tuple[int, bool], list[float]] = {}
+        with torch.inference_mode():
+            model(torch.tensor([ids]), logits="none")
+            for k in PROBE_ROWS:  # warm-up: scratch buffers of each size
+                model.step(Rows.chain(ids[:k], 0, model.cache.lengths))
+            for _ in range(_ROUNDS):
+                for k in PROBE_ROWS:
+                    for way in ways if k == 1 else (saved_prefetch,):  # only one-row passes differ
+                        ext.prefetch_whole_stream(way)
+                        rows = Rows.chain(ids[:k], 0, model.cache.lengths)
+                        t0 = time.perf_counter()
+                        model.step(rows)
+                        times.setdefault((k, way), []).append(time.perf_counter() - t0)
+        best = min(ways, key=lambda way: min(times[(1, way)]))
+        seconds = tuple(min(times[(k, best if k == 1 else saved_prefetch)]) for k in PROBE_ROWS)
+        return seconds, (best if choose_prefetch else None)
+    finally:
+        model.cache, model.step_costs = saved, saved_costs
+        ext.prefetch_whole_stream(saved_prefetch)
+
+
+def measure(model: nn.Module) -> StepCosts | None:
+    """The step costs of W8A8 `model` on the active kernel path (cached), or None when its
+    steps do not run fused (no C++ op, not an int8 model)."""
+    from quasar.kernels import ext
+
+    if getattr(model, "step_kernel", None) is None or ext.decoder_layer_op() is None:
+        return None
+    from quasar.runtime.w4a8 import W4A8Linear
+
+    path = ext.kernel_path()
+    # every path's W4A8 kernels have the choice, the AVX2 / AVX-VNNI int8 ones too
+    choose_prefetch = path in PREFETCH_CHOICE_PATHS or (
+        path != "portable" and any(isinstance(m, W4A8Linear) for m in model.modules()))
+    file = cache_dir("step_costs") / f"{_cache_key(model, path)}.json"
+    try:
+        saved = json.loads(file.read_text())
+        seconds = tuple(float(s) for s in saved["seconds"])
+        prefetch = saved.get("prefetch_whole")
+        if len(seconds) == len(PROBE_ROWS) and (prefetch in (True, False)) == choose_prefetch:
+            return StepCosts(PROBE_ROWS, seconds, path, prefetch)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # not measured yet (or unreadable): measure again
+    seconds, prefetch = _probe(model, choose_prefetch)
+    if _plausible(seconds):  # else a busy machine disturbed the probe: measure again next time
+        write_atomic(file, json.dumps({"rows": PROBE_ROWS, "seconds": seconds, "kernel_path": path,
+                                       "prefetch_whole": prefetch}))
+    return StepCosts(PROBE_ROWS, seconds, path, prefetch)
+
+
+def _plausible(seconds: tuple[float, ...]) -> bool:
+    """More rows never take much less time than fewer: a step that did was slowed by other
+    processes (with two threads on two busy cores an OpenMP barrier can wait a whole time slice)."""
+    return all(later >= 0.9 * earlier for earlier, later in zip(seconds, seconds[1:]))
+
+
+def install_measured(model: nn.Module) -> StepCosts | None:
+    """Set `model`'s row cost and pass rows from its measured step costs (None: unchanged)."""
+    from quasar.kernels import ext
+
+    costs = measure(model)
+    if costs is not None:
+        model.row_cost, model.pass_rows = costs.row_cost, costs.pass_rows
+        model.step_costs = costs
+        if costs.prefetch_whole is not None:  # the fused step sets it again before each of its calls
+            ext.prefetch_whole_stream(costs.prefetch_whole)
+    return costs
+
+
+def current(model: nn.Module) -> StepCosts | None:
+    """`model`'s step costs on the kernel path active now: measured again (from the cache,
+    usually) when the path changed since they were measured (QUASAR_ISA in tests, AMX off)."""
+    from quasar.kernels import ext
+
+    costs = model.step_costs
+    if costs is None or costs.kernel_path != ext.kernel_path():
+        costs = install_measured(model)
+    return costs
