@@ -16,7 +16,7 @@ directory's ``lock`` file, then moves the library into place with an atomic rena
 processes that start meanwhile wait on the lock and then load the finished library. A
 killed builder releases the lock with its process and leaves no partial library behind.
 
-Kernel paths (``csrc/cpu_features.h``): ``portable`` (plain C++, any CPU), ``avx2``,
+Kernel paths (``csrc/common/cpu_features.h``): ``portable`` (plain C++, any CPU), ``avx2``,
 ``avx-vnni``, ``avx512-vnni`` and ``amx``; the op runs the highest one the CPU has, or the
 highest at or below ``QUASAR_ISA`` (so a test or a benchmark can force a lower path on a
 CPU with a higher one). Every path computes the same exact int32 sums, so the int8 GEMMs
@@ -36,7 +36,7 @@ sums, so extra rows (drafts, batched sequences) cost little more than the first;
 attention over a bfloat16 KV cache (prompt chunks and verifier steps) uses AMX-BF16 tiles
 (:func:`amx_attention_supported`).
 
-W4A8 (issue #34, ``csrc/w4a8_*``): :func:`pack_w4` lays affine 4-bit weights out for
+W4A8 (issue #34, ``csrc/gemm_w4a8/``): :func:`pack_w4` lays affine 4-bit weights out for
 streaming and :func:`w4a8_linear_op` computes ``w4a8_numerics.reference_linear_w4a8`` bit for
 bit on every path (portable, AVX2, AVX-VNNI, AVX512-VNNI; amx runs the AVX512-VNNI kernel).
 Its kernels pass a self-check of their own on first use; a wrong one disables only its
@@ -106,26 +106,31 @@ log = logging.getLogger(__name__)
 ENV_DISABLE = "QUASAR_NO_EXT"
 ENV_NO_AMX = "QUASAR_NO_AMX"  # keep AMX off (the VNNI kernel for every row count)
 ENV_ISA = "QUASAR_ISA"  # the highest kernel path to use (KERNEL_PATHS), e.g. avx2
-# The C++ kernel paths, lowest first (csrc/cpu_features.h).
+# The C++ kernel paths, lowest first (csrc/common/cpu_features.h).
 KERNEL_PATHS = ("portable", "avx2", "avx-vnni", "avx512-vnni", "amx")
 PYTORCH_PATH = "pytorch"  # what kernel_path() says when the op is unavailable
 NAME = "int8_linear"
 CSRC = Path(__file__).resolve().parent / "csrc"
-# One library: the linear op, the whole-layer op of quasar.runtime.fused_step built on the
-# same GEMM (int8_gemm.h), and the per-row argmax / top-k of a step's logits. The cache
-# digest covers every file listed.
-# cpu_features: the kernel path; int8_linear + gemm_*: the int8 GEMMs per path; decoder_layer:
-# the fused step's orchestration, step_*: its float kernels per path, attention_*: attention
-# over a bfloat16 cache; row_select: per-row argmax / top-k (row_topk.h); refined_head: the
-# refined head's int8 logits of each row's top-k; w4a8_*: the W4A8 GEMM (issue #34);
-# step_linears: the fused step's linears (Int8Linear and W4A8Linear in any mix).
+# One library, laid out as one ISA ladder per op family (each: generic.cpp once, the x86 paths
+# beside it, AMX in amx/): common/ (the kernel path, shared scalar and SIMD helpers),
+# gemm_w8a8/ (the int8 GEMM and its linear op), gemm_w4a8/ (the W4A8 GEMM and its op), step/
+# (the fused step's float kernels), attention/ (attention over a bfloat16 cache), amx/ (the
+# AMX GEMM and attention), decoder_layer/ (the fused step's orchestration and linears), head/
+# (per-row argmax / top-k and the refined head's logits); bindings.cpp registers every op
+# (ops.h). Files are named relative to CSRC, which is the include root. The cache digest
+# covers every file listed, names included.
 SOURCES = tuple(CSRC / f for f in (
-    "cpu_features.cpp", f"{NAME}.cpp", "gemm_avx2.cpp", "gemm_portable.cpp", "decoder_layer.cpp", "step_avx512.cpp",
-    "step_avx2.cpp", "step_portable.cpp", "attention_bf16.cpp", "attention_amx.cpp", "row_select.cpp",
-    "refined_head.cpp", "w4a8_gemm.cpp", "w4a8_x86.cpp", "step_linears.cpp"))
-HEADERS = tuple(CSRC / f for f in ("cpu_features.h", "int8_gemm.h", "step_kernels.h", "step_vec8.inc", "head_dim.h",
-                                   "simd_avx512.h", "attention.h", "w4a8_gemm.h", "activation_quant.h",
-                                   "step_linears.h", "row_topk.h"))
+    "bindings.cpp", "common/cpu_features.cpp", "common/library_ops.cpp",
+    "gemm_w8a8/generic.cpp", "gemm_w8a8/pack.cpp", "gemm_w8a8/x86_avx2.cpp", "gemm_w8a8/x86_avx512.cpp",
+    "gemm_w8a8/linear_op.cpp", "gemm_w4a8/generic.cpp", "gemm_w4a8/x86_avx2.cpp", "gemm_w4a8/x86_avx512.cpp",
+    "gemm_w4a8/linear_op.cpp", "step/generic.cpp", "step/x86_avx2.cpp", "step/x86_avx512.cpp",
+    "attention/x86_avx512_bf16.cpp", "amx/gemm.cpp", "amx/attention.cpp", "decoder_layer/decoder_layer.cpp",
+    "decoder_layer/step_linears.cpp", "head/row_select.cpp", "head/refined_head.cpp"))
+HEADERS = tuple(CSRC / f for f in (
+    "ops.h", "common/cpu_features.h", "common/activation_quant.h", "common/simd_avx512.h", "common/head_dim.h",
+    "gemm_w8a8/int8_gemm.h", "gemm_w8a8/kernels.h", "gemm_w4a8/w4a8_gemm.h", "gemm_w4a8/x86_common.h",
+    "step/step_kernels.h", "step/vec8.inc", "attention/attention.h", "decoder_layer/step_linears.h",
+    "head/row_topk.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for
@@ -296,7 +301,7 @@ def bf16_kv_supported() -> bool:
     return small_m_supported() and bool(torch.ops.quasar_quant.w8a8_bf16_supported())
 
 
-MAX_ROW_TOP_K = 64  # the largest k of row_argmax_topk and refine_head_rows (csrc/row_topk.h: kMaxTopK)
+MAX_ROW_TOP_K = 64  # the largest k of row_argmax_topk and refine_head_rows (csrc/head/row_topk.h: kMaxTopK)
 
 
 def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
@@ -309,7 +314,7 @@ def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | N
 def refine_head_rows_op() -> Callable[..., None] | None:
     """``torch.ops.quasar_quant.refine_head_rows`` (logits [R, V] float32, changed in place, qx
     int8 [R, K], sx [R, 1], the int8 head's weight [V, K] and weight_scale [V, 1], top_k <= 64):
-    RefinedHead's refinement bit for bit (csrc/refined_head.cpp); None without the op."""
+    RefinedHead's refinement bit for bit (csrc/head/refined_head.cpp); None without the op."""
     return torch.ops.quasar_quant.refine_head_rows if int8_linear_op() is not None else None
 
 
@@ -322,7 +327,7 @@ def amx_attention_supported() -> bool:
 def pack_w4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int) -> torch.Tensor | None:
     """Affine 4-bit weights (q int8 or uint8 [N, K] in [0, 15], float16 scales and offsets
     [N, K / group], w = scale * q + offset; group 32, 64 or 128, K a multiple of it) in the
-    W4A8 op's streaming layout (uint8, 1-D; csrc/w4a8_gemm.h), or None without the library.
+    W4A8 op's streaming layout (uint8, 1-D; csrc/gemm_w4a8/w4a8_gemm.h), or None without the library.
     A bad shape or value is a RuntimeError naming it."""
     if int8_linear_op() is None:
         return None
@@ -371,7 +376,7 @@ def build_dir() -> Path:
 def _digest() -> str:
     h = hashlib.sha256()
     for part in (
-        *(path.read_bytes() for path in (*SOURCES, *HEADERS)),
+        *(path.relative_to(CSRC).as_posix().encode() + b"\0" + path.read_bytes() for path in (*SOURCES, *HEADERS)),
         " ".join(CFLAGS + LDFLAGS).encode(),
         torch.__version__.encode(),
         str(torch.version.git_version).encode(),
@@ -491,7 +496,8 @@ def _build(build_directory: Path, env_path: str) -> None:
             warnings.simplefilter("ignore")
             cpp_extension.load(
                 name=NAME,
-                sources=[str(path) for path in SOURCES],
+                sources=[str(path) for path in _unit_files(build_directory)],
+                extra_include_paths=[str(CSRC)],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(build_directory),
@@ -504,6 +510,19 @@ def _build(build_directory: Path, env_path: str) -> None:
             os.environ.pop("PATH", None)
         else:
             os.environ["PATH"] = old_path
+
+
+def _unit_files(build_directory: Path) -> list[Path]:
+    """One file per source in ``build_directory`` that includes it, named by its path under
+    CSRC ("gemm_w8a8/generic.cpp" -> "gemm_w8a8__generic.cpp"): torch names each object after
+    its source's base name, and several folders hold a generic.cpp. Compiler messages still
+    name the real file."""
+    units = []
+    for source in SOURCES:
+        unit = build_directory / source.relative_to(CSRC).as_posix().replace("/", "__")
+        unit.write_text(f'#include "{source.as_posix()}"\n')
+        units.append(unit)
+    return units
 
 
 def _self_check(op: Callable[..., torch.Tensor]) -> None:

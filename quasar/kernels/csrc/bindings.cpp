@@ -1,0 +1,47 @@
+// The library's one op registration: every op's schema, under the quasar_quant namespace
+// (quasar/kernels/ext.py calls them as torch.ops.quasar_quant.<name>).
+#include "ops.h"
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(quasar_quant, m) {
+  // the kernel path and the library's threads
+  m.def("kernel_path(str cap=\"\") -> str", &kernel_path_op);
+  m.def("cpu_runs_path(str name) -> bool", &cpu_runs_path);
+  m.def("parallel_threads() -> int", &parallel_threads);
+
+  // the W8A8 linear and the int8 GEMM's settings
+  m.def(
+      "int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? comp, "
+      "bool u8_single, bool u8_multi, Tensor? tiles=None, int act_bits=8) -> Tensor");
+  m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
+  m.def("int8_pack_tiles(Tensor weight, bool release_source=False) -> Tensor", &int8_pack_tiles);
+  m.def("release_pages(Tensor t) -> bool", &release_pages);
+  m.def("int8_small_m_max(int max_m=-1) -> int", &int8_small_m_max);
+  m.def("int8_small_m_supported() -> bool", &int8_small_m_supported);
+  m.def("int8_amx_min_rows(int min_rows=-1) -> int", &int8_amx_min_rows);
+  m.def("int8_stream_prefetch(int mode=-1) -> int", &int8_stream_prefetch);
+  m.def("int8_amx_supported() -> bool", &int8_amx_supported);
+  m.def("int8_onednn_exact(int value=-1) -> bool", &int8_onednn_exact);
+
+  // the W4A8 linear
+  m.def("w4_pack(Tensor q, Tensor scales, Tensor offsets, int group) -> Tensor", &w4_pack);
+  m.def("w4a8_linear(Tensor x, Tensor packed, int N, int K, int group, Tensor? bias=None, str path=\"\") -> Tensor");
+  m.impl("w4a8_linear", c10::DispatchKey::CPU, TORCH_FN(w4a8_linear));
+  m.def("w4a8_kernel_path(str disable=\"\") -> str", &w4a8_kernel_path);
+
+  // the fused decoder step
+  m.def("w8a8_bf16_supported() -> bool", &w8a8_bf16_supported);
+  m.def("w8a8_amx_attention_supported() -> bool", &w8a8_amx_attention_supported);
+  m.def(
+      "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor?[] weights, Tensor?[] tiles, "
+      "Tensor?[] scales, Tensor?[] biases, Tensor?[] comps, int[] act_bits, Tensor?[] w4, int[] w4_groups, "
+      "int n_heads, int n_kv_heads, bool prefill=False) -> Tensor");
+  m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
+
+  // a step's logits
+  m.def("row_argmax_topk(Tensor logits, int k) -> (Tensor, Tensor)", &row_argmax_topk);
+  m.def("refine_head_rows(Tensor(a!) logits, Tensor qx, Tensor sx, Tensor weight, Tensor weight_scale, int top_k) -> ()",
+        &refine_head_rows);
+}

@@ -1,0 +1,40 @@
+// Which kernel path this process runs: asked of the CPU once, capped by a switch.
+//
+// Every op of this library computes the same contract on every path (exact int32 sums of
+// int8 products, one float order per path, every row alone); the path only decides how the
+// sums are made and which vector width the float kernels use. Paths, lowest first:
+//   portable     plain C++ (any CPU; where NEON sdot would slot in)
+//   avx2         AVX2 + FMA: vpsignb / vpmaddubsw / vpmaddwd int8 products
+//   avx-vnni     256-bit vpdpbusd (the VEX-encoded AVX-VNNI extension)
+//   avx512-vnni  512-bit vpdpbusd, AVX512 float kernels, bf16 KV cache with AVX512-BF16
+//   amx          AMX-INT8 tile multiplies for steps of 2+ rows (and AMX-BF16 attention)
+// The active path is the highest one the CPU runs that is not above the cap
+// (set_kernel_path; quasar/kernels/ext.py passes QUASAR_ISA there), so a test can force a
+// lower path on a CPU that has a higher one.
+#pragma once
+
+#include <cstdint>
+
+namespace quasar {
+
+enum class KernelPath : int { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmx = 4 };
+constexpr int kNumKernelPaths = 5;
+
+// "portable", "avx2", "avx-vnni", "avx512-vnni", "amx".
+const char* kernel_path_name(KernelPath p);
+
+// The path named `name` into *out; false for an unknown name.
+bool parse_kernel_path(const char* name, KernelPath* out);
+
+// Whether this CPU (and OS: AVX512 state, AMX tile permission) can run path p.
+bool cpu_runs(KernelPath p);
+
+// The path the ops use now.
+KernelPath kernel_path();
+
+// Caps the path at `cap` (the highest path the CPU runs at or below it); returns the new path.
+KernelPath set_kernel_path(KernelPath cap);
+
+inline bool path_at_least(KernelPath p) { return static_cast<int>(kernel_path()) >= static_cast<int>(p); }
+
+}  // namespace quasar

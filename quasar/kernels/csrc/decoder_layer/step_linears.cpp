@@ -1,0 +1,156 @@
+// The linears of the fused decoder step: Int8Linear and W4A8Linear buffers checked into
+// GEMM descriptions, and StepGemm, one input's linears over the step's threads
+// (step_linears.h).
+#include "decoder_layer/step_linears.h"
+
+#include <algorithm>
+
+namespace quasar {
+
+namespace {
+
+const float* float_vector(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, "w8a8_decoder_layers: ", what,
+              " must be a contiguous float32 tensor of ", n, " elements");
+  return t.data_ptr<float>();
+}
+
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The input features of a W4A8 weight of n outputs from its packed size (the down projection's
+// K is the intermediate size, which nothing else gives when gate and up are 4-bit too).
+int64_t w4_in_features(const at::Tensor& packed, int64_t n, int64_t group) {
+  const int64_t vectors = (n + kW4Lanes - 1) / kW4Lanes, per_group = vectors * w4_group_bytes(group);
+  TORCH_CHECK(packed.numel() % per_group == 0, "w8a8_decoder_layers: a W4A8 weight's packed size does not fit ", n,
+              " outputs in groups of ", group);
+  return packed.numel() / per_group * group;
+}
+
+}  // namespace
+
+LayerLinears layer_linears(const c10::List<std::optional<at::Tensor>>& weights,
+                           const c10::List<std::optional<at::Tensor>>& tiles,
+                           const c10::List<std::optional<at::Tensor>>& scales,
+                           const c10::List<std::optional<at::Tensor>>& biases,
+                           const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
+                           const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups, int64_t l,
+                           int64_t H, int64_t nq, int64_t nkv) {
+  const int64_t base = 7 * l;
+  const auto is_w4 = [&](int64_t i) { return w4_groups[base + i] > 0; };
+  // The intermediate size: the down projection's input features.
+  int64_t inter;
+  if (is_w4(6)) {
+    TORCH_CHECK(given(w4.get(base + 6)), "w8a8_decoder_layers: a W4A8 linear needs its packed weight");
+    inter = w4_in_features(*w4.get(base + 6), H, w4_groups[base + 6]);
+  } else {
+    TORCH_CHECK(given(weights.get(base + 6)) && weights.get(base + 6)->dim() == 2,
+                "w8a8_decoder_layers: an Int8Linear needs its 2-D int8 weight");
+    inter = weights.get(base + 6)->size(1);
+  }
+  // Linear i (n outputs from k inputs) into `in`, writing columns [col, col + n).
+  const auto add = [&](InputLinears& in, int64_t i, int64_t n, int64_t k, int64_t col) {
+    in.k = k;
+    const std::optional<at::Tensor> bias = biases.get(base + i);
+    const float* b = given(bias) ? float_vector(*bias, n, "bias") : nullptr;
+    if (is_w4(i)) {
+      const int64_t group = w4_groups[base + i];
+      TORCH_CHECK(group == 32 || group == 64 || group == 128, "w8a8_decoder_layers: W4A8 group size ", group);
+      TORCH_CHECK(k % group == 0, "w8a8_decoder_layers: a W4A8 linear needs whole groups (", k, " inputs)");
+      TORCH_CHECK(in.n_w4 == 0 || in.group == group,
+                  "w8a8_decoder_layers: W4A8 linears of one input must share their group size");
+      const std::optional<at::Tensor> p = w4.get(base + i);
+      TORCH_CHECK(given(p) && p->scalar_type() == at::kByte && p->is_contiguous() &&
+                      p->numel() == w4_packed_bytes(n, k, group),
+                  "w8a8_decoder_layers: a W4A8 weight must be w4_pack's uint8 [", w4_packed_bytes(n, k, group),
+                  "] for ", n, " x ", k);
+      in.group = group;
+      in.w4[in.n_w4++] = {p->data_ptr<uint8_t>(), n, b, col};
+      return;
+    }
+    const int64_t bits = act_bits[base + i];
+    TORCH_CHECK(bits == 8 || bits == 15, "w8a8_decoder_layers: act_bits must be 8 or 15");
+    TORCH_CHECK(in.n_i8 == 0 || in.act_bits == bits,
+                "w8a8_decoder_layers: the Int8Linears of one input (q, k, v; gate, up) must share act_bits");
+    const std::optional<at::Tensor> w = weights.get(base + i), t = tiles.get(base + i), s = scales.get(base + i),
+                                    c = comps.get(base + i);
+    TORCH_CHECK(given(w) && given(t) && given(s) && given(c), "w8a8_decoder_layers: an Int8Linear needs its weight, "
+                "tiles, scale and comp");
+    TORCH_CHECK(w->dim() == 2 && w->scalar_type() == at::kChar && w->is_contiguous() && w->size(0) == n &&
+                    w->size(1) == k,
+                "w8a8_decoder_layers: weight must be a contiguous int8 [", n, ", ", k, "] (the head layout)");
+    TORCH_CHECK(c->scalar_type() == at::kInt && c->is_contiguous() && c->numel() == n,
+                "w8a8_decoder_layers: comp must be int32 [N]");
+    TORCH_CHECK(t->scalar_type() == at::kChar && t->is_contiguous() && t->numel() == tiled_bytes(n, k),
+                "w8a8_decoder_layers: tiles must be the weight packed by int8_pack_tiles");
+    in.act_bits = bits;
+    in.i8[in.n_i8++] = {t->data_ptr<int8_t>(), n, c->data_ptr<int32_t>(), float_vector(*s, n, "weight_scale"), b, col};
+  };
+  LayerLinears out;
+  out.inter = inter;
+  add(out.qkv, 0, nq, H, 0);
+  add(out.qkv, 1, nkv, H, nq);
+  add(out.qkv, 2, nkv, H, nq + nkv);
+  add(out.o, 3, H, nq, 0);
+  add(out.gate_up, 4, inter, H, 0);
+  add(out.gate_up, 5, inter, H, inter);
+  add(out.down, 6, H, inter, 0);
+  return out;
+}
+
+StepActs::StepActs(int64_t M, int64_t k_max)
+    : q(M * padded_k(k_max)), q_lo(M * padded_k(k_max)), sx(M), w4q(M * k_max), w4sx(M * (k_max / 32 + 1)),
+      w4xs(M * (k_max / 32 + 1)) {}
+
+StepGemm::StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride)
+    : in_(&in), acts_(&acts), M_(M), y_(y), y_stride_(y_stride) {
+  if (in.n_i8)
+    i8_.emplace(acts.q.data(), in.act_bits == 15 ? acts.q_lo.data() : nullptr, M, in.k, in.i8, in.n_i8,
+                acts.sx.data(), y, y_stride);
+  if (in.n_w4) {
+    w4_kernel_ = w4_active_kernel(&w4_rows_);
+    TORCH_CHECK(w4_kernel_ != nullptr,
+                "w8a8_decoder_layers: every W4A8 kernel path is disabled (the self-check failed)");
+    for (int64_t m = 0; m < in.n_w4; ++m) w4_first_[m + 1] = w4_first_[m] + (in.w4[m].n + kW4Lanes - 1) / kW4Lanes;
+  }
+}
+
+void StepGemm::quantize(const float* x, int64_t r0, int64_t r1) const {
+  const int64_t nr = r1 - r0, K = in_->k;
+  if (nr <= 0) return;
+  if (in_->n_i8) {
+    const int64_t k4 = padded_k(K);
+    uint8_t* q = acts_->q.data() + r0 * k4;
+    if (in_->act_bits == 15)
+      quantize_rows_split_u8(x + r0 * K, nr, K, q, acts_->q_lo.data() + r0 * k4, acts_->sx.data() + r0);
+    else
+      quantize_rows_u8(x + r0 * K, nr, K, q, acts_->sx.data() + r0);
+  }
+  if (in_->n_w4) {
+    const int64_t G = K / in_->group;
+    w4_quantize_groups(x + r0 * K, nr, K, in_->group, acts_->w4q.data() + r0 * K, acts_->w4sx.data() + r0 * G,
+                       acts_->w4xs.data() + r0 * G);
+  }
+}
+
+void StepGemm::run(int tid, int nt) const {
+  if (i8_) {
+    const int64_t v = i8_->vectors();
+    i8_->run(v * tid / nt, v * (tid + 1) / nt);
+  }
+  if (!in_->n_w4) return;
+  const int64_t K = in_->k, group = in_->group, vb = w4_vector_bytes(K, group), total = w4_first_[in_->n_w4];
+  const W4Acts acts{acts_->w4q.data(), K, acts_->w4sx.data(), acts_->w4xs.data(), K / group};
+  int64_t m = 0;
+  const int64_t first = total * tid / nt;
+  for (int64_t v = first; v < total * (tid + 1) / nt; ++v) {
+    while (v >= w4_first_[m + 1]) ++m;
+    const W4Matrix& w = in_->w4[m];
+    const int64_t n0 = (v - w4_first_[m]) * kW4Lanes;
+    const bool prefetch = prefetch_stream_at((v - std::max(first, w4_first_[m])) * vb);
+    w4_vector_rows(w4_kernel_, w4_rows_, w.packed + (v - w4_first_[m]) * vb, K, group, acts, M_,
+                   std::min(kW4Lanes, w.n - n0), w.bias ? w.bias + n0 : nullptr, y_ + w.y_col + n0, y_stride_,
+                   prefetch);
+  }
+}
+
+}  // namespace quasar

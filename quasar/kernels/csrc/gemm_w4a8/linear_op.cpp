@@ -1,0 +1,158 @@
+// The W4A8 ops: packing a weight (w4_pack), the linear (w4a8_linear) and the W4A8 kernel
+// path with the self-check's verdicts (w4a8_kernel_path). The numbers: generic.cpp.
+#include "gemm_w4a8/w4a8_gemm.h"
+#include "gemm_w8a8/int8_gemm.h"
+#include "ops.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using quasar::KernelPath;
+
+int path_by_name(const std::string& name) {
+  KernelPath p;
+  TORCH_CHECK(quasar::parse_kernel_path(name.c_str(), &p), "unknown kernel path '", name, "'");
+  return static_cast<int>(p);
+}
+
+void check_shape(int64_t N, int64_t K, int64_t group, const char* op) {
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, op, ": the group size must be 32, 64 or 128, got ", group);
+  TORCH_CHECK(K > 0 && K % group == 0, op, ": K (", K, ") must be a positive multiple of the group size (", group,
+              ")");
+  TORCH_CHECK(N >= 0, op, ": N must not be negative, got ", N);
+}
+
+at::Tensor group_params(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
+  // float16 and nothing else: a wider tensor would be rounded here, out of the reference's sight.
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf, "w4_pack: ", what,
+              " must be a float16 CPU tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == G, "w4_pack: ", what, " must be [N, K / group] = [", N,
+              ", ", G, "], got ", t.sizes());
+  return t.contiguous();
+}
+
+}  // namespace
+
+// q [N, K] (int8 or uint8, values 0..15), scales and offsets [N, K / group] -> the packed
+// uint8 [w4_packed_bytes(N, K, group)] of w4a8_gemm.h.
+at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && (q.scalar_type() == at::kChar || q.scalar_type() == at::kByte),
+              "w4_pack: q must be a 2-D int8 or uint8 CPU tensor of values 0..15, got ", q.dim(), "-D ",
+              q.scalar_type());
+  const int64_t N = q.size(0), K = q.size(1);
+  check_shape(N, K, group, "w4_pack");
+  const int64_t G = K / group;
+  const at::Tensor qc = q.contiguous(), sc = group_params(scales, N, G, "scales"),
+                   oc = group_params(offsets, N, G, "offsets");
+  at::Tensor out = at::empty({quasar::w4_packed_bytes(N, K, group)}, q.options().dtype(at::kByte));
+  const uint8_t* qs = static_cast<const uint8_t*>(qc.data_ptr());  // int8 0..15 reads the same
+  const uint16_t *s = static_cast<const uint16_t*>(sc.data_ptr()), *o = static_cast<const uint16_t*>(oc.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t vb = quasar::w4_vector_bytes(K, group), gb = quasar::w4_group_bytes(group);
+  const int64_t vectors = (N + quasar::kW4Lanes - 1) / quasar::kW4Lanes;
+  std::atomic<bool> out_of_range{false};
+  at::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
+    uint8_t bad = 0;
+    for (int64_t v = v0; v < v1; ++v)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* blk = dst + v * vb + g * gb;
+        uint16_t lane_s[quasar::kW4Lanes], lane_o[quasar::kW4Lanes];
+        for (int64_t i = 0; i < quasar::kW4Lanes; ++i) {
+          const int64_t n = v * quasar::kW4Lanes + i;
+          lane_s[i] = n < N ? s[n * G + g] : uint16_t{0};
+          lane_o[i] = n < N ? o[n * G + g] : uint16_t{0};
+          for (int64_t st = 0; st < group / 8; ++st)
+            for (int j = 0; j < 4; ++j) {
+              uint8_t byte = 0;
+              if (n < N) {
+                const uint8_t* col = qs + n * K + g * group + 8 * st + j;
+                bad |= col[0] | col[4];
+                byte = static_cast<uint8_t>(col[0] | col[4] << 4);
+              }
+              blk[64 * st + 4 * i + j] = byte;
+            }
+        }
+        std::memcpy(blk + 8 * group, lane_s, sizeof lane_s);
+        std::memcpy(blk + 8 * group + sizeof lane_s, lane_o, sizeof lane_o);
+      }
+    if (bad & 0xF0) out_of_range.store(true, std::memory_order_relaxed);
+  });
+  TORCH_CHECK(!out_of_range.load(), "w4_pack: q must hold 4-bit values 0..15 (found one outside)");
+  return out;
+}
+
+// x [..., K] floating point, packed by w4_pack for (N, K, group), bias [N] or None ->
+// float32 [..., N]. path "": the active kernel path (less any the self-check disabled);
+// else exactly that path's kernel (the self-check and tests; the CPU must run it).
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t K, int64_t group,
+                       const std::optional<at::Tensor>& bias, const std::string& path) {
+  check_shape(N, K, group, "w4a8_linear");
+  TORCH_CHECK(x.device().is_cpu() && at::isFloatingType(x.scalar_type()) && x.dim() >= 1,
+              "w4a8_linear: x must be a floating-point CPU tensor");
+  TORCH_CHECK(x.size(-1) == K, "w4a8_linear: x has ", x.size(-1), " features, the weight K = ", K);
+  const int64_t bytes = quasar::w4_packed_bytes(N, K, group);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 1 &&
+                  packed.numel() == bytes && packed.is_contiguous(),
+              "w4a8_linear: packed must be w4_pack's uint8 [", bytes, "] for N = ", N, ", K = ", K, ", group = ",
+              group, ", got ", packed.scalar_type(), " ", packed.sizes());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->numel() == N, "w4a8_linear: bias must have N = ", N,
+                " elements, got ", bias->numel());
+    b = bias->to(at::kFloat).contiguous();
+  }
+  int p;
+  if (path.empty()) {
+    p = quasar::w4_path_for(quasar::kernel_path());
+    TORCH_CHECK(p >= 0, "w4a8_linear: every W4A8 kernel path is disabled (the self-check failed)");
+  } else {
+    p = path_by_name(path);
+    TORCH_CHECK(quasar::cpu_runs(static_cast<KernelPath>(p)), "w4a8_linear: this CPU does not run the ", path,
+                " kernel path");
+  }
+  const quasar::W4RowsFn kernel = quasar::w4_kernel(static_cast<KernelPath>(p));
+  const int64_t max_rows = quasar::w4_max_rows(static_cast<KernelPath>(p));
+
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), G = K / group;
+  at::Tensor y = at::empty({M, N}, xf.options());
+  if (M == 0 || N == 0) return y.view(out_shape);
+  std::vector<int8_t> q(M * K);
+  std::vector<float> sx(M * G), xs(M * G);
+  quasar::w4_quantize_groups(xf.data_ptr<float>(), M, K, group, q.data(), sx.data(), xs.data());
+  const quasar::W4Acts acts{q.data(), K, sx.data(), xs.data(), G};
+
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t vb = quasar::w4_vector_bytes(K, group), vectors = (N + quasar::kW4Lanes - 1) / quasar::kW4Lanes;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / vb);  // >= 64 KiB of weights a task
+  at::parallel_for(0, vectors, grain, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t n0 = v * quasar::kW4Lanes;
+      quasar::w4_vector_rows(kernel, max_rows, w + v * vb, K, group, acts, M, std::min(quasar::kW4Lanes, N - n0),
+                             bp ? bp + n0 : nullptr, yp + n0, N, quasar::prefetch_stream_at((v - v0) * vb));
+    }
+  });
+  return y.view(out_shape);
+}
+
+// The kernel path the W4A8 op runs now (the active one, amx served by the avx512-vnni kernel,
+// less disabled ones; "" when every one is disabled). With a name, first disable that path's
+// W4A8 kernel (the self-check's verdict; the int8 ops keep it).
+std::string w4a8_kernel_path(const std::string& disable) {
+  if (!disable.empty()) quasar::w4_disable_path(static_cast<KernelPath>(path_by_name(disable)));
+  const int p = quasar::w4_path_for(quasar::kernel_path());
+  return p < 0 ? std::string() : std::string(quasar::kernel_path_name(static_cast<KernelPath>(p)));
+}

@@ -1,0 +1,97 @@
+// The W4A8 GEMM (issue #34): affine 4-bit weights in groups along K, int8 activations per
+// row and group, exact int32 group sums, the float32 epilogue of quasar/runtime/w4a8_numerics.py
+// in its order. generic.cpp holds the activation quantizer, the portable kernel and the
+// driver; x86_avx2.cpp the AVX2 and AVX-VNNI kernels, x86_avx512.cpp the AVX512-VNNI one;
+// linear_op.cpp the packing and the ops.
+//
+// Packed layout (w4_pack), chosen so that one pass streams one sequential run of bytes:
+// output rows in vectors of kW4Lanes = 16 (rows past N are padding: nibbles, scales and
+// offsets 0), vector v is w4_vector_bytes(K, group) bytes at v * w4_vector_bytes(K, group);
+// inside it, group g (columns [g * group, (g + 1) * group)) is w4_group_bytes(group) bytes:
+//   group / 8 steps of 64 bytes, step s covering columns k0 = g * group + 8 s .. k0 + 7:
+//     byte 4 i + j (lane i < 16, j < 4) = q[16 v + i][k0 + j] | q[16 v + i][k0 + 4 + j] << 4
+//   then the 16 lanes' scales (float16, 32 bytes), then their offsets (float16, 32 bytes).
+// Half-precision scales and offsets: a group of 32 costs 4 + 1 bits a weight instead of 4 + 2
+// with float32 (the step streams 11% fewer bytes at 1.5B); GGUF's Q4_0 and Q4_1 store theirs
+// as float16, so those stay exact, and every kernel widens them exactly to float32.
+// So a step's 64 bytes masked with 0x0F are 16 lanes x the 4 columns k0..k0+3 (a vpdpbusd
+// u8 operand, four bytes per int32 lane), shifted right by 4 and masked the columns
+// k0+4..k0+7; its two 32-byte halves are lanes 0..7 and 8..15 (two ymm operands), and the
+// scales and offsets a group's epilogue needs follow its nibbles. Every block is a multiple
+// of 64 bytes, so vectors and groups start on cache lines of a 64-byte aligned buffer.
+#pragma once
+
+#include <cstdint>
+
+#include "common/cpu_features.h"
+
+namespace quasar {
+
+constexpr int64_t kW4Lanes = 16;
+// Bytes of one group of one vector: the nibbles (16 lanes x group / 2), 16 scales, 16 offsets.
+constexpr int64_t w4_group_bytes(int64_t group) { return 8 * group + 2 * 2 * kW4Lanes; }
+
+inline int64_t w4_vector_bytes(int64_t k, int64_t group) { return k / group * w4_group_bytes(group); }
+inline int64_t w4_packed_bytes(int64_t n, int64_t k, int64_t group) {
+  return (n + kW4Lanes - 1) / kW4Lanes * w4_vector_bytes(k, group);
+}
+
+// The quantized activations of M rows: q int8 [M, ldq] (ldq >= K), and per row and group
+// sx (the scale) and xs = float(X) * sx (X = the group's sum of q), both float [M, ldg].
+struct W4Acts {
+  const int8_t* q;
+  int64_t ldq;
+  const float* sx;
+  const float* xs;
+  int64_t ldg;
+};
+
+// One vector's outputs for `rows` rows of a (1 <= rows <= w4_max_rows(path)), bias not yet
+// added: out[r * 16 + i] = the epilogue's acc for row r, lane i (all 16 lanes; padding lanes
+// are 0). `vec` is the vector's packed bytes. Every kernel makes the same exact int32 sums
+// and the same float32 operations in the same order, so all give the same bits.
+// prefetch: the pass asks for its bytes ahead in software (else the hardware prefetcher alone
+// streams them; see prefetch_whole_stream in int8_gemm.h).
+using W4RowsFn = void (*)(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                          bool prefetch);
+
+constexpr int64_t kW4MaxRows = 16;  // the most rows any kernel takes per pass over a vector
+constexpr int64_t kAvx2Rows = 2;  // 6 R int accumulators + 2 R float ones + 7 others: spills past 2
+constexpr int64_t kAvxVnniRows = 4;  // 4 R accumulators + 6 others of 16 ymm
+void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                      bool prefetch);
+void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                  bool prefetch);
+void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                      bool prefetch);
+void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                         bool prefetch);
+// Rows per pass of each path's kernel (the driver cuts M into passes of at most this many).
+int64_t w4_max_rows(KernelPath path);
+
+// The activations' side of the contract (generic.cpp): x [M, K] float32 (K a multiple of
+// group) -> q int8 [M, K], sx and xs float [M, K / group], one row at a time.
+void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs);
+
+// The path whose W4A8 kernel serves kernel path p (amx: the AVX512-VNNI kernel; a path the
+// self-check disabled: the next lower one the CPU runs); -1 if none. w4_kernel: that path's
+// kernel; w4_disable_path: the self-check's verdict against a path's kernel.
+int w4_path_for(KernelPath p);
+W4RowsFn w4_kernel(KernelPath p);
+void w4_disable_path(KernelPath p);
+
+// The kernel the W4A8 op runs now (the active kernel path's, amx served by avx512-vnni, less
+// paths the self-check disabled) and its rows per pass; nullptr when every path is disabled.
+W4RowsFn w4_active_kernel(int64_t* max_rows);
+
+// One vector's outputs for all M rows of a (passes of max_rows rows): y[r * y_stride + i] =
+// the kernel's acc + bias[i] (bias null: acc) for the lanes i < `lanes` that are real outputs;
+// `bias` and `y` point at the vector's first output. The op and the fused decoder step both
+// finish vectors here, so they give the same bits.
+// prefetch: whether a one-row step's pass prefetches; the first pass of a step of more rows
+// always does, later passes (the vector in cache) never.
+void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t group,
+                    const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride,
+                    bool prefetch);
+
+}  // namespace quasar

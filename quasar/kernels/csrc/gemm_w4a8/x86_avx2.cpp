@@ -1,0 +1,178 @@
+// The W4A8 kernels on 256-bit x86 vectors: AVX2 and AVX-VNNI (the 512-bit one is in
+// x86_avx512.cpp). Layout and contract: w4a8_gemm.h.
+//
+// Per step (8 columns of 16 lanes, 64 bytes) the nibbles are unpacked in registers: w & 0x0F
+// is columns k0..k0+3 of each lane, (w >> 4) & 0x0F columns k0+4..k0+7 (a 16-bit shift is
+// fine: the mask drops the bits that cross bytes). Both are u8 operands as they are; the
+// activations, broadcast 4 bytes at a time, are the s8 operands. The group's int32 sums S
+// are exact on every path and the epilogue is the reference's order with separate roundings
+// (mul, then add; the library is built with -ffp-contract=off and uses no FMA intrinsic):
+//   acc = (acc + (float(S) * sx) * scale) + xs * offset
+// Rows come R at a time (template R): a weight load and its unpacking serve all R rows, and
+// only the first pass over a vector reads it from memory (the next ones find it in L1/L2).
+// A pass that streams prefetches kPrefetchBytes ahead (../gemm_w8a8/x86_avx2.cpp too, 4 KB ahead): these
+// kernels spend several instructions per 64-byte line, a pass of many rows dozens, so the
+// out-of-order window alone keeps few lines in flight. Steps of several rows always ask
+// (w4_vector_rows): without it their extra rows cost a large share of a one-row step. Where
+// the hardware prefetcher streams faster alone (on some CPUs) the caller passes prefetch =
+// false to one-row passes past each stream's start (prefetch_whole_stream).
+#include "gemm_w4a8/w4a8_gemm.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include "gemm_w4a8/x86_common.h"
+
+namespace quasar {
+namespace {
+
+using w4x86::kPrefetchBytes;
+using w4x86::load_u32;
+using w4x86::prefetch;
+using w4x86::StepsFn;
+using w4x86::steps_index;
+
+// A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
+// (float16, widened exactly by vcvtph2ps) at `so` (after its nibbles), the exact sums s of R
+// rows, into their accumulators.
+template <int R>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(
+    const uint8_t* so, const W4Acts& a, int64_t g, const __m256i (&s)[R][2], __m256 (&acc)[R][2], bool pf) {
+  if (pf) prefetch(so + kPrefetchBytes);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 16 * h)));
+    const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 32 + 16 * h)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
+      const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
+      acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], t), _mm256_mul_ps(xs, of));
+    }
+  }
+}
+
+// ------------------------------------------------------------------ AVX2
+// No u8 x s8 dot product into int32 lanes: vpmaddubsw (u8 x s8 pairs into saturating int16)
+// and vpmaddwd with ones (int16 pairs into int32). Exact here, proof: a nibble is at most 15
+// and |q_x| at most 128 (the quantizer gives |q_x| <= 127), so one vpmaddubsw pair is at most
+// 2 * 15 * 128 = 3,840 in magnitude and never saturates; a step adds two such results (its
+// low and high nibbles) into the int16 accumulator, and kStepsPerFlush = 4 steps add eight:
+// at most 8 * 3,840 = 30,720 <= 32,767, so the int16 adds never wrap either. Then vpmaddwd
+// with ones widens to int32 (exact) and the accumulator restarts; group / 8 steps is 4, 8 or
+// 16, a multiple of 4, so flushes never straddle groups.
+constexpr int64_t kStepsPerFlush = 4;
+
+template <int R, int STEPS>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, const W4Acts& a, float* out,
+                                                        bool pf) {
+  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group), steps = STEPS;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t groups = K / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = vec + g * gbytes;
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int64_t s0 = 0; s0 < steps; s0 += kStepsPerFlush) {
+      __m256i h16[R][2];
+      for (int r = 0; r < R; ++r) h16[r][0] = h16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int64_t st = s0; st < s0 + kStepsPerFlush; ++st) {
+        const uint8_t* c = p + 64 * st;
+        if (pf) prefetch(c + kPrefetchBytes);
+        __m256i xa[R], xb[R];
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
+          xa[r] = _mm256_set1_epi32(load_u32(x));
+          xb[r] = _mm256_set1_epi32(load_u32(x + 4));
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * h));
+          const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          for (int r = 0; r < R; ++r)
+            h16[r][h] = _mm256_add_epi16(h16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[r]),
+                                                                      _mm256_maddubs_epi16(hi, xb[r])));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(h16[r][h], ones));
+    }
+    group_epilogue_256<R>(p + 8 * group, a, g, s, acc, pf);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
+}
+
+// ------------------------------------------------------------------ AVX-VNNI
+#if __GNUC__ >= 11 || defined(__clang__)
+#define QUASAR_W4_AVX_VNNI 1
+// 256-bit vpdpbusd: u8 nibbles x s8 activations, four products summed into each int32 lane,
+// exact (no +128 shift of the activations, so no compensation term).
+template <int R, int STEPS>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, const W4Acts& a,
+                                                                    float* out, bool pf) {
+  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group), steps = STEPS;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t groups = K / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = vec + g * gbytes;
+    __m256i s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int64_t st = 0; st < steps; ++st) {
+      const uint8_t* c = p + 64 * st;
+      if (pf) prefetch(c + kPrefetchBytes);
+      __m256i xa[R], xb[R];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
+        xa[r] = _mm256_set1_epi32(load_u32(x));
+        xb[r] = _mm256_set1_epi32(load_u32(x + 4));
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * h));
+        const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int r = 0; r < R; ++r)
+          s[r][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][h], lo, xa[r]), hi, xb[r]);
+      }
+    }
+    group_epilogue_256<R>(p + 8 * group, a, g, s, acc, pf);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
+}
+#endif
+
+}  // namespace
+
+void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                  bool prefetch) {
+  static constexpr StepsFn kFns[3][kAvx2Rows] = {
+      {rows_avx2<1, 4>, rows_avx2<2, 4>}, {rows_avx2<1, 8>, rows_avx2<2, 8>}, {rows_avx2<1, 16>, rows_avx2<2, 16>}};
+  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
+}
+
+void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                      bool prefetch) {
+#ifdef QUASAR_W4_AVX_VNNI
+  static constexpr StepsFn kFns[3][kAvxVnniRows] = {
+      {rows_avx_vnni<1, 4>, rows_avx_vnni<2, 4>, rows_avx_vnni<3, 4>, rows_avx_vnni<4, 4>},
+      {rows_avx_vnni<1, 8>, rows_avx_vnni<2, 8>, rows_avx_vnni<3, 8>, rows_avx_vnni<4, 8>},
+      {rows_avx_vnni<1, 16>, rows_avx_vnni<2, 16>, rows_avx_vnni<3, 16>, rows_avx_vnni<4, 16>}};
+  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
+#else
+  (void)vec, (void)K, (void)group, (void)a, (void)rows, (void)out, (void)prefetch;
+  __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
+#endif
+}
+
+}  // namespace quasar
+
+#else  // not x86: these paths never run (cpu_runs is false), but the library links
+
+namespace quasar {
+void w4_rows_avx2(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*, bool) { __builtin_trap(); }
+void w4_rows_avx_vnni(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*, bool) { __builtin_trap(); }
+}  // namespace quasar
+
+#endif

@@ -1,0 +1,101 @@
+// The W4A8 kernel on 512-bit x86 vectors: AVX512-VNNI (the amx kernel path runs it too: a
+// W4A8 step is one pass over streamed weights, where tile multiplies would gain nothing).
+// Layout and contract: w4a8_gemm.h; the shared scheme (nibbles unpacked in registers, exact
+// group sums, the reference's epilogue order, R rows a pass): x86_avx2.cpp.
+#include "gemm_w4a8/w4a8_gemm.h"
+
+#include <array>
+#include <utility>
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include "gemm_w4a8/x86_common.h"
+
+namespace quasar {
+namespace {
+
+using w4x86::kPrefetchBytes;
+using w4x86::load_u32;
+using w4x86::prefetch;
+using w4x86::StepsFn;
+using w4x86::steps_index;
+
+// ------------------------------------------------------------------ AVX512-VNNI
+// One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled
+// (STEPS = group / 8 is a template argument), which lets GCC keep every accumulator in a
+// register; with a run-time step count it copied them around the loop and spilled. Up to 8
+// rows, row r's low and high nibbles go into two int32 accumulators, added before the
+// epilogue (integer sums, so the same bits): one chain would put two dependent vpdpbusd on
+// it every step, and a pass of a few rows waited on those chains. From 9 rows there are
+// chains enough, and one accumulator a row leaves the registers for the rows. Registers:
+// 2R (R <= 8) or R int32 accumulators + R float ones + 6 others; past R = 13 GCC keeps some
+// float ones in L1, which costs less than a second pass.
+template <int R, int STEPS>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
+                                                                         const W4Acts& a, float* out, bool pf) {
+  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group);
+  constexpr bool kTwoChains = R <= 8;
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t groups = K / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = vec + g * gbytes;
+    __m512i sl[R], sh[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int st = 0; st < STEPS; ++st) {
+      const uint8_t* c = p + 64 * st;
+      if (pf) prefetch(c + kPrefetchBytes);
+      const __m512i w = _mm512_loadu_si512(c);
+      const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
+        sl[r] = _mm512_dpbusd_epi32(sl[r], lo, _mm512_set1_epi32(load_u32(x)));
+        __m512i& h = kTwoChains ? sh[r] : sl[r];
+        h = _mm512_dpbusd_epi32(h, hi, _mm512_set1_epi32(load_u32(x + 4)));
+      }
+    }
+    const uint8_t* so = p + 8 * group;
+    if (pf) prefetch(so + kPrefetchBytes);
+    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
+    const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + 32)));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 sx = _mm512_set1_ps(a.sx[r * a.ldg + g]), xs = _mm512_set1_ps(a.xs[r * a.ldg + g]);
+      const __m512i s = kTwoChains ? _mm512_add_epi32(sl[r], sh[r]) : sl[r];
+      const __m512 t = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sx), sc);
+      acc[r] = _mm512_add_ps(_mm512_add_ps(acc[r], t), _mm512_mul_ps(xs, of));
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kW4Lanes, acc[r]);
+}
+
+}  // namespace
+
+// kernels for R = 1 .. kW4MaxRows rows at one number of steps a group
+template <int STEPS, int... R>
+constexpr std::array<StepsFn, sizeof...(R)> avx512_rows(std::integer_sequence<int, R...>) {
+  return {rows_avx512<R + 1, STEPS>...};
+}
+
+void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+                         bool prefetch) {
+  using Rows = std::make_integer_sequence<int, kW4MaxRows>;
+  static constexpr std::array<StepsFn, kW4MaxRows> kFns[3] = {avx512_rows<4>(Rows{}), avx512_rows<8>(Rows{}),
+                                                               avx512_rows<16>(Rows{})};
+  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
+}
+
+}  // namespace quasar
+
+#else  // not x86: this path never runs (cpu_runs is false), but the library links
+
+namespace quasar {
+void w4_rows_avx512_vnni(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*, bool) { __builtin_trap(); }
+}  // namespace quasar
+
+#endif

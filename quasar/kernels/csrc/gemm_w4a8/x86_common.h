@@ -1,0 +1,32 @@
+// What the x86 W4A8 kernels share (x86_avx2.cpp, x86_avx512.cpp): the prefetch distance,
+// unaligned loads, and the table index of a group size.
+#pragma once
+
+#include "gemm_w4a8/w4a8_gemm.h"
+
+#include <cstring>
+
+#include <immintrin.h>
+
+namespace quasar {
+namespace w4x86 {
+
+// 32 KB: far enough to cover the several instructions these kernels spend per cache line
+// (4 KB was slower, 64-128 KB no faster). Lines a pass asks for past its part of a weight
+// (32 KB a thread and linear) are wasted reads, ~1% of a step's.
+constexpr int64_t kPrefetchBytes = 32 << 10;
+
+inline int32_t load_u32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
+// A kernel for one group size (STEPS = group / 8 a template argument) and row count.
+using StepsFn = void (*)(const uint8_t*, int64_t, const W4Acts&, float*, bool);
+inline int steps_index(int64_t group) { return group == 32 ? 0 : group == 64 ? 1 : 2; }
+
+}  // namespace w4x86
+}  // namespace quasar
