@@ -260,6 +260,121 @@ QUASAR_AMXBF16 void attend_prefill_amx(const float* const* qs, const int64_t* ns
 // tile, so the other rows' sums are unchanged). Not bitwise the vector kernel (another
 // summation order): the verifier of an AMX CPU is its own. `ops`: scratch for one block's
 // operands, 2 * kBlockKeys / 16 * 8C vectors, 64-byte aligned.
+// One attend_group_amx call's block of keys: each query's end in it, where the keys the
+// queries share end, the shared chunks' operands (kt, vt: prefill_operands' layout, 16 keys
+// a unit) and the key rows of the chunk at hand.
+template <int C, bool Paths>
+struct AmxBlock {
+  static constexpr int64_t d = 16 * C, np = 8 * C;
+  const KeyMap& keys;
+  const int64_t* ends;
+  int64_t lo, n_max, shared_until;
+  const uint16_t *k, *v;
+  __m512i *kt, *vt;
+  const uint16_t* rows[16];
+  bool shared(int64_t j0, int64_t len) const { return !Paths || j0 + len <= shared_until; }
+  // query i's own rows of keys [j0, j0 + 16) (base k or v; zeros from its end on)
+  void own_rows(const uint16_t* base, int64_t i, int64_t j0) {
+    for (int64_t jj = 0; jj < 16; ++jj)
+      rows[jj] = j0 + jj < ends[i] ? base + key_row<Paths>(keys, i, j0 + jj) * d : nullptr;
+  }
+};
+
+// attend_group_amx's phases.
+// The shared chunks' operands, to the end of the last 32-key chunk (zeros past the step's keys).
+template <int C, bool Paths>
+QUASAR_AMXBF16 inline void amx_shared_operands(AmxBlock<C, Paths>& b) {
+  constexpr int64_t d = 16 * C, np = 8 * C;
+  for (int64_t j0 = b.lo; j0 < b.lo + (b.n_max - b.lo + 31) / 32 * 32; j0 += 16) {
+    if (!b.shared(j0, 16)) break;
+    for (int64_t jj = 0; jj < 16; ++jj) b.rows[jj] = j0 + jj < b.n_max ? b.k + (j0 + jj) * d : nullptr;
+    load_kt<C>(b.rows, b.kt + (j0 - b.lo) / 16 * np);
+    for (int64_t jj = 0; jj < 16; ++jj) b.rows[jj] = j0 + jj < b.n_max ? b.v + (j0 + jj) * d : nullptr;
+    load_vt<C>(b.rows, b.vt + (j0 - b.lo) / 16 * np);
+  }
+}
+
+// Unscaled scores of queries [q0, q0 + mb) (loaded in the tiles) over keys [lo, end).
+template <int C, bool Paths>
+QUASAR_AMXBF16 inline void amx_scores(AmxBlock<C, Paths>& b, int64_t q0, int64_t mb, int64_t end, float* scores,
+                                      int64_t stride) {
+  constexpr int64_t np = 8 * C;
+  alignas(64) __m512i own[16 * C];  // one query's operands of a 16-key chunk (K^T)
+  alignas(64) float own_scores[16 * 16];
+  for (int64_t j0 = b.lo; j0 < end; j0 += 16) {
+    if (b.shared(j0, 16)) {
+      scores_tile<C>(b.kt + (j0 - b.lo) / 16 * np);
+      _tile_stored(0, scores + q0 * stride + (j0 - b.lo), stride * 4);
+      continue;
+    }
+    for (int64_t r = 0; r < mb; ++r) {
+      const int64_t i = q0 + r;
+      if (b.ends[i] <= j0) continue;
+      b.own_rows(b.k, i, j0);
+      load_kt<C>(b.rows, own);
+      scores_tile<C>(own);
+      _tile_stored(0, own_scores, 64);
+      std::copy_n(own_scores + 16 * r, 16, scores + i * stride + (j0 - b.lo));
+    }
+  }
+}
+
+// Outputs of queries [q0, q0 + mb) from their numerators (probs, to end32 keys past lo),
+// 16 dims per accumulator tile (4 at a time): the chunks shared by the queries (a prefix),
+// then per query the chunks past its shared keys: each query's rows of the accumulators
+// still take its chunks in key order, as in a one-query step where all of them are shared.
+template <int C, bool Paths>
+QUASAR_AMXBF16 inline void amx_outputs(AmxBlock<C, Paths>& b, int64_t q0, int64_t mb, int64_t end32,
+                                       const uint16_t* probs, int64_t stride, float* acc, const float* sum,
+                                       float* const* outs, float* const* parts) {
+  constexpr int64_t np = 8 * C;
+  alignas(64) __m512i own[16 * C];  // one query's operands of a 32-key chunk (V)
+  alignas(64) uint16_t own_probs[16 * 32];
+  const int64_t chunks = end32 / 32;
+  int64_t first_own = 0;
+  while (first_own < chunks && b.shared(b.lo + 32 * first_own, 32)) ++first_own;
+  for (int64_t g0 = 0; g0 < C; g0 += 4) {
+    const bool four = C - g0 >= 4;
+    if (four)
+      zero_accumulators<4>();
+    else
+      zero_accumulators<2>();
+    for (int64_t c = 0; c < first_own; ++c)
+      if (four)
+        pv_chunk<C, 4>(probs + q0 * stride + 32 * c, stride * 2, b.vt + 2 * c * np + g0);
+      else
+        pv_chunk<C, 2>(probs + q0 * stride + 32 * c, stride * 2, b.vt + 2 * c * np + g0);
+    for (int64_t c = first_own; c < chunks; ++c) {
+      const int64_t j0 = b.lo + 32 * c;
+      for (int64_t r = 0; r < mb; ++r) {
+        const int64_t i = q0 + r;
+        if (b.ends[i] <= j0) continue;
+        b.own_rows(b.v, i, j0);
+        load_vt<C>(b.rows, own);
+        b.own_rows(b.v, i, j0 + 16);
+        load_vt<C>(b.rows, own + np);
+        std::fill_n(own_probs, 32 * mb, uint16_t{0});
+        std::copy_n(probs + i * stride + 32 * c, 32, own_probs + 32 * r);
+        if (four)
+          pv_chunk<C, 4>(own_probs, 64, own + g0);
+        else
+          pv_chunk<C, 2>(own_probs, 64, own + g0);
+      }
+    }
+    if (four)
+      store_accumulators<4>(acc);
+    else
+      store_accumulators<2>(acc);
+    for (int64_t r = 0; r < mb; ++r) {
+      const int64_t i = q0 + r;
+      if (b.ends[i] <= b.lo) continue;
+      const float w = parts[i] ? 1.0f : 1.0f / sum[i];  // a partial result stays unnormalised
+      for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c)
+        store_lanes(acc + r * 64 + (c - g0) * 16, c, w, parts[i] ? parts[i] : outs[i]);
+    }
+  }
+}
+
 template <int C, bool Paths>
 QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, const KeyMap& keys,
                                      float* const* outs, float* const* parts, int64_t nq, int64_t lo, int64_t hi,
@@ -269,29 +384,10 @@ QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, 
   constexpr int64_t d = 16 * C, np = 8 * C;
   int64_t ends[kMaxGroupQueries], shared_until;
   const int64_t n_max = block_ends<Paths>(ns, keys, nq, lo, hi, ends, shared_until);
-  const auto shared = [&](int64_t j0, int64_t len) { return !Paths || j0 + len <= shared_until; };
-  // the shared chunks' operands, 16 keys a unit (prefill_operands' layout), to the end of
-  // the last 32-key chunk (zeros past the step's keys)
-  __m512i* const kt = ops;
-  __m512i* const vt = ops + kBlockKeys / 16 * np;
-  const uint16_t* rows[16];
-  for (int64_t j0 = lo; j0 < lo + (n_max - lo + 31) / 32 * 32; j0 += 16) {
-    if (!shared(j0, 16)) break;
-    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? k + (j0 + jj) * d : nullptr;
-    load_kt<C>(rows, kt + (j0 - lo) / 16 * np);
-    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? v + (j0 + jj) * d : nullptr;
-    load_vt<C>(rows, vt + (j0 - lo) / 16 * np);
-  }
-  // query i's own rows of keys [j0, j0 + 16) (base k or v; zeros from its end on)
-  const auto own_rows = [&](const uint16_t* base, int64_t i, int64_t j0) {
-    for (int64_t jj = 0; jj < 16; ++jj)
-      rows[jj] = j0 + jj < ends[i] ? base + key_row<Paths>(keys, i, j0 + jj) * d : nullptr;
-  };
+  AmxBlock<C, Paths> b{keys, ends, lo, n_max, shared_until, k, v, ops, ops + kBlockKeys / 16 * np, {}};
+  amx_shared_operands(b);
   alignas(64) uint16_t qb[kMaxGroupQueries * d];
   for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
-  alignas(64) __m512i own[16 * C];     // one query's operands of a 16-key (K^T) or 32-key (V) chunk
-  alignas(64) float own_scores[16 * 16];
-  alignas(64) uint16_t own_probs[16 * 32];
   alignas(64) float mx[kMaxGroupQueries], sum[kMaxGroupQueries];
   for (int64_t q0 = 0; q0 < nq; q0 += 16) {
     const int64_t mb = std::min<int64_t>(16, nq - q0);
@@ -300,75 +396,14 @@ QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, 
     if (end == lo) continue;
     attn_tiles(mb);
     load_queries<C>(qb + q0 * d);
-    // unscaled scores
-    for (int64_t j0 = lo; j0 < end; j0 += 16) {
-      if (shared(j0, 16)) {
-        scores_tile<C>(kt + (j0 - lo) / 16 * np);
-        _tile_stored(0, scores + q0 * stride + (j0 - lo), stride * 4);
-        continue;
-      }
-      for (int64_t r = 0; r < mb; ++r) {
-        const int64_t i = q0 + r;
-        if (ends[i] <= j0) continue;
-        own_rows(k, i, j0);
-        load_kt<C>(rows, own);
-        scores_tile<C>(own);
-        _tile_stored(0, own_scores, 64);
-        std::copy_n(own_scores + 16 * r, 16, scores + i * stride + (j0 - lo));
-      }
-    }
+    amx_scores(b, q0, mb, end, scores, stride);
     // softmax numerators as bf16 (zeros from a query's end to the last 32-key chunk) and
     // their float32 sum
     const int64_t end32 = (end - lo + 31) / 32 * 32;
     for (int64_t i = q0; i < q0 + mb; ++i)
       if (ends[i] > lo)
         mx[i] = softmax_numerators(scores + i * stride, ends[i] - lo, end32, scale, probs + i * stride, sum[i]);
-    // outputs, 16 dims per accumulator tile (4 at a time)
-    for (int64_t g0 = 0; g0 < C; g0 += 4) {
-      // the chunks shared by the queries (a prefix), then per query the chunks past its
-      // shared keys: each query's rows of the accumulators still take its chunks in key
-      // order, as in a one-query step where all of them are shared
-      const int64_t chunks = end32 / 32;
-      int64_t first_own = 0;
-      while (first_own < chunks && shared(lo + 32 * first_own, 32)) ++first_own;
-      if (C - g0 >= 4) {
-        zero_accumulators<4>();
-        for (int64_t c = 0; c < first_own; ++c)
-          pv_chunk<C, 4>(probs + q0 * stride + 32 * c, stride * 2, vt + 2 * c * np + g0);
-      } else {
-        zero_accumulators<2>();
-        for (int64_t c = 0; c < first_own; ++c)
-          pv_chunk<C, 2>(probs + q0 * stride + 32 * c, stride * 2, vt + 2 * c * np + g0);
-      }
-      for (int64_t c = first_own; c < chunks; ++c) {
-        const int64_t j0 = lo + 32 * c;
-        for (int64_t r = 0; r < mb; ++r) {
-          const int64_t i = q0 + r;
-          if (ends[i] <= j0) continue;
-          own_rows(v, i, j0);
-          load_vt<C>(rows, own);
-          own_rows(v, i, j0 + 16);
-          load_vt<C>(rows, own + np);
-          std::fill_n(own_probs, 32 * mb, uint16_t{0});
-          std::copy_n(probs + i * stride + 32 * c, 32, own_probs + 32 * r);
-          if (C - g0 >= 4)
-            pv_chunk<C, 4>(own_probs, 64, own + g0);
-          else
-            pv_chunk<C, 2>(own_probs, 64, own + g0);
-        }
-      }
-      if (C - g0 >= 4)
-        store_accumulators<4>(acc);
-      else
-        store_accumulators<2>(acc);
-      for (int64_t r = 0; r < mb; ++r) {
-        const int64_t i = q0 + r;
-        if (ends[i] <= lo) continue;
-        const float w = parts[i] ? 1.0f : 1.0f / sum[i];  // a partial result stays unnormalised
-        for (int64_t c = g0; c < std::min<int64_t>(C, g0 + 4); ++c)
-          store_lanes(acc + r * 64 + (c - g0) * 16, c, w, parts[i] ? parts[i] : outs[i]);
-      }
-    }
+    amx_outputs(b, q0, mb, end32, probs, stride, acc, sum, outs, parts);
     for (int64_t i = q0; i < q0 + mb; ++i)
       if (ends[i] > lo && parts[i]) {
         parts[i][d] = mx[i];
@@ -377,7 +412,6 @@ QUASAR_AMXBF16 void attend_group_amx(const float* const* qs, const int64_t* ns, 
   }
   _tile_release();
 }
-
 
 template <bool Paths>
 struct AmxAttention {

@@ -35,53 +35,47 @@ using namespace quasar::avx512;
 // index), so grouping never changes a bit, as for attend_group. Key rows a query does not
 // have are read as zeros or multiplied by a zero numerator.
 
-// attend_group over a bf16 cache (k, v [S, 16C] bf16 rows). Scratch: `scores` nq * stride
-// floats and `probs` nq * stride bf16 (stride a multiple of 16, >= max n), `acc` nq * 32C.
-// Over a block of keys [lo, hi) (multiples of 16; query i's keys in it: [lo, min(n_i, hi))),
-// a query whose keys all lie in the block gets its output in outs[i]; one with keys in
-// several blocks (parts[i] not null) gets its block's partial result in parts[i]: the
-// unnormalised output (16C floats), the block's score max and its exp-sum, which
-// combine_blocks joins. A query with no keys in the block is skipped.
+// The key rows of one 16-key chunk for attend_group_bf16: the step's (shared by every query)
+// or one query's (its path).
 template <int C, bool Paths>
-QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, const KeyMap& keys,
-                                   float* const* outs, float* const* parts, int64_t nq, int64_t lo, int64_t hi,
-                                   const uint16_t* k, const uint16_t* v, float scale, float* scores,
-                                   uint16_t* probs, int64_t stride, float* acc) {
-  static_assert(C % 2 == 0, "bf16 attention needs head_dim % 32 == 0");
-  constexpr int64_t d = 16 * C, np = 8 * C;  // floats, bf16 pairs of a head vector
-  // this block's end for each query, and the end of the block's keys over all of them
-  int64_t ends[kMaxGroupQueries], shared_until;
-  const int64_t n_max = block_ends<Paths>(ns, keys, nq, lo, hi, ends, shared_until);
-  ns = ends;
-  alignas(64) uint16_t qb[kMaxGroupQueries * d];
-  for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
-  alignas(64) float vmax[kMaxGroupQueries * 16];
-  for (int64_t i = 0; i < nq; ++i)
-    _mm512_store_ps(vmax + 16 * i, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+struct Bf16Chunk {
+  static constexpr int64_t d = 16 * C;
+  const KeyMap& keys;
+  int64_t n_max, shared_until;
   const uint16_t* rows[16];
-  // rows[jj] = query i's key row j0 + jj (base: k or v), zeros from `cnt` on
-  const auto query_rows = [&](const uint16_t* base, int64_t i, int64_t j0, int64_t cnt) {
-    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = jj < cnt ? base + key_row<Paths>(keys, i, j0 + jj) * d : nullptr;
-  };
   // A chunk is shared when every query's keys there are rows j0.. of the cache; then
   // rows[jj] = row j0 + jj for every row the step has (zeros past n_max).
-  const auto shared = [&](int64_t j0) { return !Paths || j0 + 16 <= shared_until; };
-  const auto shared_rows = [&](const uint16_t* base, int64_t j0) {
+  bool shared(int64_t j0) const { return !Paths || j0 + 16 <= shared_until; }
+  void shared_rows(const uint16_t* base, int64_t j0) {
     for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = j0 + jj < n_max ? base + (j0 + jj) * d : nullptr;
-  };
+  }
+  // rows[jj] = query i's key row j0 + jj (base: k or v), zeros from `cnt` on
+  void query_rows(const uint16_t* base, int64_t i, int64_t j0, int64_t cnt) {
+    for (int64_t jj = 0; jj < 16; ++jj) rows[jj] = jj < cnt ? base + key_row<Paths>(keys, i, j0 + jj) * d : nullptr;
+  }
+};
+
+// attend_group_bf16's phases (forced inline: one function as before).
+// Scores = q . k * scale over the block's keys, stored from its first key; vmax: each
+// query's running lane max.
+template <int C, bool Paths>
+QUASAR_BF16_INLINE void bf16_scores(Bf16Chunk<C, Paths>& chunk, const uint16_t* qb, const int64_t* ns, int64_t nq,
+                                    int64_t lo, const uint16_t* k, float scale, float* scores, int64_t stride,
+                                    float* vmax) {
+  constexpr int64_t d = 16 * C, np = 8 * C;  // floats, bf16 pairs of a head vector
   alignas(64) __m512i kt[np];
-  for (int64_t j0 = lo; j0 < n_max; j0 += 16) {
-    const bool one = shared(j0);
+  for (int64_t j0 = lo; j0 < chunk.n_max; j0 += 16) {
+    const bool one = chunk.shared(j0);
     if (one) {
-      shared_rows(k, j0);
-      load_kt<C>(rows, kt);
+      chunk.shared_rows(k, j0);
+      load_kt<C>(chunk.rows, kt);
     }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t cnt = std::min<int64_t>(16, ns[i] - j0);
       if (cnt <= 0) continue;
       if (!one) {
-        query_rows(k, i, j0, cnt);
-        load_kt<C>(rows, kt);
+        chunk.query_rows(k, i, j0, cnt);
+        load_kt<C>(chunk.rows, kt);
       }
       const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb + i * d);
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -99,9 +93,13 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
                                                         _mm512_load_ps(vmax + 16 * i), sc));
     }
   }
-  // softmax numerators (float32 for the sum, bf16 for the products; zeros past n to the
-  // end of the last chunk), 1 / their sum per query
-  alignas(64) float inv[kMaxGroupQueries], mx[kMaxGroupQueries], sum[kMaxGroupQueries];
+}
+
+// Softmax numerators (float32 for the sum, bf16 for the products; zeros past n to the end
+// of the last chunk): each query's max, sum and 1 / sum.
+QUASAR_BF16_INLINE void bf16_softmax(const int64_t* ns, int64_t nq, int64_t lo, const float* scores,
+                                     uint16_t* probs, int64_t stride, const float* vmax, float* mx, float* sum,
+                                     float* inv) {
   for (int64_t i = 0; i < nq; ++i) {
     if (ns[i] <= lo) continue;
     const float* s = scores + i * stride;
@@ -118,21 +116,28 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
     sum[i] = _mm512_reduce_add_ps(vsum);
     inv[i] = 1.0f / sum[i];
   }
-  // out = sum_j p_j v_j, key pairs alternately into two accumulators (independent chains)
+}
+
+// out = sum_j p_j v_j, key pairs alternately into two accumulators (independent chains),
+// kept in `acc` between 16-key chunks of V.
+template <int C, bool Paths>
+QUASAR_BF16_INLINE void bf16_values(Bf16Chunk<C, Paths>& chunk, const int64_t* ns, int64_t nq, int64_t lo,
+                                    const uint16_t* v, const uint16_t* probs, int64_t stride, float* acc) {
+  constexpr int64_t d = 16 * C;
   std::fill_n(acc, nq * 2 * d, 0.0f);
   alignas(64) __m512i vt[8 * C];
-  for (int64_t j0 = lo; j0 < n_max; j0 += 16) {
-    const bool one = shared(j0);
+  for (int64_t j0 = lo; j0 < chunk.n_max; j0 += 16) {
+    const bool one = chunk.shared(j0);
     if (one) {
-      shared_rows(v, j0);
-      load_vt<C>(rows, vt);
+      chunk.shared_rows(v, j0);
+      load_vt<C>(chunk.rows, vt);
     }
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t cnt = std::min<int64_t>(16, ns[i] - j0);
       if (cnt <= 0) continue;
       if (!one) {
-        query_rows(v, i, j0, cnt);
-        load_vt<C>(rows, vt);
+        chunk.query_rows(v, i, j0, cnt);
+        load_vt<C>(chunk.rows, vt);
       }
       float* ai = acc + i * 2 * d;
       __m512 a0[C], a1[C];
@@ -156,6 +161,36 @@ QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, co
       }
     }
   }
+}
+
+// attend_group over a bf16 cache (k, v [S, 16C] bf16 rows). Scratch: `scores` nq * stride
+// floats and `probs` nq * stride bf16 (stride a multiple of 16, >= max n), `acc` nq * 32C.
+// Over a block of keys [lo, hi) (multiples of 16; query i's keys in it: [lo, min(n_i, hi))),
+// a query whose keys all lie in the block gets its output in outs[i]; one with keys in
+// several blocks (parts[i] not null) gets its block's partial result in parts[i]: the
+// unnormalised output (16C floats), the block's score max and its exp-sum, which
+// combine_blocks joins. A query with no keys in the block is skipped.
+template <int C, bool Paths>
+QUASAR_BF16 void attend_group_bf16(const float* const* qs, const int64_t* ns, const KeyMap& keys,
+                                   float* const* outs, float* const* parts, int64_t nq, int64_t lo, int64_t hi,
+                                   const uint16_t* k, const uint16_t* v, float scale, float* scores,
+                                   uint16_t* probs, int64_t stride, float* acc) {
+  static_assert(C % 2 == 0, "bf16 attention needs head_dim % 32 == 0");
+  constexpr int64_t d = 16 * C;
+  // this block's end for each query, and the end of the block's keys over all of them
+  int64_t ends[kMaxGroupQueries], shared_until;
+  const int64_t n_max = block_ends<Paths>(ns, keys, nq, lo, hi, ends, shared_until);
+  ns = ends;
+  alignas(64) uint16_t qb[kMaxGroupQueries * d];
+  for (int64_t i = 0; i < nq; ++i) to_bf16(qs[i], d, qb + i * d);
+  alignas(64) float vmax[kMaxGroupQueries * 16];
+  for (int64_t i = 0; i < nq; ++i)
+    _mm512_store_ps(vmax + 16 * i, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  Bf16Chunk<C, Paths> chunk{keys, n_max, shared_until, {}};
+  bf16_scores<C, Paths>(chunk, qb, ns, nq, lo, k, scale, scores, stride, vmax);
+  alignas(64) float inv[kMaxGroupQueries], mx[kMaxGroupQueries], sum[kMaxGroupQueries];
+  bf16_softmax(ns, nq, lo, scores, probs, stride, vmax, mx, sum, inv);
+  bf16_values<C, Paths>(chunk, ns, nq, lo, v, probs, stride, acc);
   for (int64_t i = 0; i < nq; ++i) {
     if (ns[i] <= lo) continue;
     const float* ai = acc + i * 2 * d;

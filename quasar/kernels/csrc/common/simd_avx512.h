@@ -11,6 +11,9 @@
 #include <immintrin.h>
 #define QUASAR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define QUASAR_BF16 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512bf16")))
+// The same, forced inline: the phases of one kernel, written as functions of their own.
+#define QUASAR_AVX512_INLINE QUASAR_AVX512 __attribute__((always_inline)) inline
+#define QUASAR_BF16_INLINE QUASAR_BF16 __attribute__((always_inline)) inline
 
 namespace quasar {
 namespace avx512 {

@@ -30,12 +30,15 @@
 //
 // Runs on every kernel path (cpu_features.h): this file is the step's orchestration, written
 // once (phases, barriers, the work split); the GEMMs come from step_linears.h, the float
-// kernels of the active path from step/step_kernels.h (AVX512: step/x86_avx512.cpp; AVX2 and
-// plain C++: step/vec8.inc), attention over a bfloat16 cache from attention/attention.h.
+// kernels of the active path from step_kernels.h (AVX512: step/x86_avx512.cpp; AVX2 and plain
+// C++: step/vec8.inc), attention over a bfloat16 cache from attention/attention.h. The op is
+// one DecoderStep: its constructor checks the arguments and plans the work (rows and their
+// keys, the kernels, the attention items, each layer's linears), run() is one parallel region
+// of named phases per layer (attention block, then MLP block).
 
 #include "attention/attention.h"
-#include "step/step_kernels.h"
 #include "decoder_layer/step_linears.h"
+#include "step/step_kernels.h"
 #include "ops.h"
 
 #include <ATen/core/Tensor.h>
@@ -46,10 +49,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <memory>
 #include <cstdint>
-#include <limits>
+#include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -62,10 +65,10 @@ constexpr int64_t kMaxRows = 128;
 // stream; 32 made long prefills faster than 16, and 64 was no better.
 using quasar::step::kMaxGroupQueries;
 using quasar::step::KeyMap;
-using quasar::step::key_row;
 using quasar::step::kBlockKeys;
 using AttendFn = quasar::step::AttendF32Fn;
 using quasar::step::AttendBf16Fn;
+using TensorList = c10::List<std::optional<at::Tensor>>;
 
 // Rotary embedding of one head vector in place (rotate_half convention: the first and
 // second halves are the pairs).
@@ -93,8 +96,493 @@ const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
   return t.data_ptr<float>();
 }
 
-}  // namespace
+// 64-byte aligned __m512i storage inside `raw` (resized to hold `vectors` of them).
+#ifdef QUASAR_AMX_ATTENTION
+__m512i* aligned_vectors(std::vector<uint8_t>& raw, int64_t vectors) {
+  raw.resize(vectors > 0 ? 64 * (vectors + 1) : 0);
+  return reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
+}
+#endif
 
+// The shapes and list lengths of the op's arguments (see w8a8_decoder_layers); throws.
+void check_step_args(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache, at::IntArrayRef slots,
+                     at::IntArrayRef starts, at::IntArrayRef parents, int64_t n_norms, int64_t n_linears,
+                     int64_t n_heads, int64_t n_kv_heads) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
+  const int64_t T = x.size(1);
+  TORCH_CHECK(T >= 1 && T <= kMaxRows, "w8a8_decoder_layers: 1..", kMaxRows, " rows, got ", T);
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && (bf16 || k_cache.scalar_type() == at::kFloat) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == n_kv_heads,
+              "w8a8_decoder_layers: caches must be contiguous float32 or bfloat16 [L, slots, KVH, S, D]");
+  // A bfloat16 cache is attended with AVX512-BF16 products (attention.h) on the AVX512
+  // paths, and widened to float32 by the 8-float kernels (attend_b16) below them.
+  TORCH_CHECK(!bf16 || float_kernels().attend_b16 != nullptr || quasar::step::bf16_supported(),
+              "w8a8_decoder_layers: a bfloat16 cache needs an AVX512-BF16 CPU on an AVX512 kernel path");
+  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+              "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
+  const int64_t L = k_cache.size(0);
+  TORCH_CHECK(n_norms == 4 * L && n_linears == 7 * L, "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && static_cast<int64_t>(slots.size()) == T &&
+                  static_cast<int64_t>(starts.size()) == T && parents[0] == -1,
+              "w8a8_decoder_layers: one slot, start and parent per row, parent -1 for the first");
+}
+
+// Per row: its cache row (where its K/V go), and its logical keys (KeyMap): n_keys[t] of
+// them, rows [0, split[t]) of its slot's cache and then tails[t], the cache rows of the
+// path from the first one off the slot's chain. `groups`: each slot's rows [first, end).
+struct StepRows {
+  std::vector<int64_t> n_keys, split, cache_row, tail_rows;
+  std::vector<const int64_t*> tails;  // into tail_rows
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  bool is_chain = true;
+  int64_t max_keys = 0;
+};
+
+// Checks each row's slot and parent (the rows of a slot contiguous, a tree under its first
+// row) and maps its keys.
+StepRows plan_rows(at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents, int64_t n_slots,
+                   int64_t S) {
+  const int64_t T = static_cast<int64_t>(parents.size());
+  StepRows r;
+  r.n_keys.resize(T), r.split.resize(T), r.cache_row.resize(T), r.tail_rows.resize(T * T), r.tails.resize(T);
+  std::vector<int64_t> path;
+  std::vector<bool> seen(n_slots, false);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < n_slots, "w8a8_decoder_layers: slot ", slot, " is not in the cache");
+    if (parents[t] == -1) {
+      TORCH_CHECK(!seen[slot], "w8a8_decoder_layers: the rows of slot ", slot, " must be contiguous, one root");
+      seen[slot] = true;
+      r.groups.emplace_back(t, t + 1);
+    } else {
+      const int64_t p = parents[t];
+      TORCH_CHECK(p >= r.groups.back().first && p < t && slots[p] == slot && starts[p] == starts[t],
+                  "w8a8_decoder_layers: parents[", t, "] must be an earlier row of the same slot");
+      r.groups.back().second = t + 1;
+    }
+    const int64_t first = r.groups.back().first;
+    r.cache_row[t] = starts[t] + t - first;
+    TORCH_CHECK(starts[t] >= 0 && r.cache_row[t] < S, "w8a8_decoder_layers: rows past the cache");
+    path.clear();
+    for (int64_t i = t; i != -1; i = parents[i]) path.push_back(i);
+    std::reverse(path.begin(), path.end());
+    int64_t m = 0;
+    while (m < static_cast<int64_t>(path.size()) && path[m] == first + m) ++m;
+    r.is_chain = r.is_chain && m == static_cast<int64_t>(path.size());
+    r.n_keys[t] = starts[t] + static_cast<int64_t>(path.size());
+    r.split[t] = starts[t] + m;
+    for (size_t i = m; i < path.size(); ++i) r.tail_rows[t * T + (i - m)] = r.cache_row[path[i]];
+    r.tails[t] = r.tail_rows.data() + t * T;
+    r.max_keys = std::max(r.max_keys, r.n_keys[t]);
+  }
+  return r;
+}
+
+// The attention kernels of a step: one of attend (float32 cache), attend_b16 (a bfloat16
+// cache widened to float32, below the AVX512 paths) or attend_bf16 (AVX512-BF16), and on an
+// AMX-BF16 CPU the tile kernels: attend_amx for every step over a bf16 cache, attend_prefill
+// (with the operands it shares per kv head) for a prompt chunk (allowed for prefill only).
+// A batch of chains keeps the plain kernels (no key lookups at all).
+struct AttentionKernels {
+  AttendFn attend = nullptr;
+  quasar::step::AttendB16Fn attend_b16 = nullptr;
+  AttendBf16Fn attend_bf16 = nullptr;
+#ifdef QUASAR_AMX_ATTENTION
+  quasar::step::AttendAmxFn attend_amx = nullptr;
+  quasar::step::AttendPrefillFn attend_prefill = nullptr;
+  quasar::step::PrefillOperandsFn prefill_operands = nullptr;
+#endif
+  bool prefill_tiles = false;  // attend_prefill is set
+};
+
+AttentionKernels attention_kernels(const quasar::step::FloatKernels& fk, bool bf16, int64_t D, const StepRows& rows,
+                                   bool prefill) {
+  AttentionKernels k;
+  const bool widened_bf16 = bf16 && fk.attend_b16 != nullptr, paths = !rows.is_chain;
+  k.attend = fk.attend(D, paths);
+  k.attend_b16 = widened_bf16 ? fk.attend_b16(D, paths) : nullptr;
+  k.attend_bf16 = bf16 && !widened_bf16 ? quasar::step::attend_bf16(D, paths) : nullptr;
+#ifdef QUASAR_AMX_ATTENTION
+  if (k.attend_bf16 && quasar::step::amx_bf16_supported()) k.attend_amx = quasar::step::attend_amx(D, paths);
+#endif
+  TORCH_CHECK(k.attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
+  TORCH_CHECK(!bf16 || k.attend_bf16 != nullptr || k.attend_b16 != nullptr,
+              "w8a8_decoder_layers: a bfloat16 cache needs head_dim 32, 64, 96, 128 or 256");
+#ifdef QUASAR_AMX_ATTENTION
+  if (prefill && k.attend_bf16 && rows.is_chain && rows.groups.size() == 1 && quasar::step::amx_bf16_supported())
+    std::tie(k.attend_prefill, k.prefill_operands) = quasar::step::attend_prefill(D);
+  k.prefill_tiles = k.attend_prefill != nullptr;
+#else
+  (void)prefill;
+#endif
+  return k;
+}
+
+// Attention work items: the query vectors (rows x heads) of one slot's kv head over one
+// block of its keys (a bf16 cache's steps; otherwise all keys are one block), the queries
+// cut into pieces of at most kMaxGroupQueries, and further while there are fewer blocks
+// than two per thread; each item streams its block of the kv head's cache once. How
+// queries are grouped never changes their results.
+struct Item {
+  int64_t first, slot, kv, q0, q1, block;
+};
+
+// A layer's norm weights (q_norm and k_norm null without qk-norm) and MLP width.
+struct LayerPlan {
+  const float *w_in, *w_post, *w_qn, *w_kn;
+  int64_t inter;
+};
+
+// This thread's rows of the step's row phases, [r0, r1).
+struct ThreadRows {
+  int tid, nt;
+  int64_t r0, r1, nr;
+};
+
+// A thread's attention scratch (and attend_group_amx's operands of one block, aligned).
+struct AttentionScratch {
+  std::vector<float> scores, acc;
+  std::vector<uint16_t> probs;
+#ifdef QUASAR_AMX_ATTENTION
+  std::vector<uint8_t> amx_raw;
+  __m512i* amx_ops = nullptr;
+#endif
+};
+
+// One call of the op: its constructor checks the arguments and plans the work; run()
+// computes all layers in one parallel region.
+class DecoderStep {
+ public:
+  DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+              at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents,
+              double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill);
+  // Per layer: its norms and its linears (step_linears.h), all checked here, before the
+  // parallel region (nothing in it may throw); then the buffers they write.
+  void plan_layers(const TensorList& norms, const TensorList& weights, const TensorList& tiles,
+                   const TensorList& scales, const TensorList& biases, const TensorList& comps,
+                   at::IntArrayRef act_bits, const TensorList& w4, at::IntArrayRef w4_groups);
+  at::Tensor run();
+
+ private:
+  int64_t n_blocks(int64_t n) const { return blocked_ ? (n + kBlockKeys - 1) / kBlockKeys : int64_t{1}; }
+  void plan_attention();
+  void attention_block(int64_t l, const ThreadRows& tr, AttentionScratch& sc);
+  void rope_and_store(int64_t l, const ThreadRows& tr);
+  void prefill_operands(int64_t l, const ThreadRows& tr);
+  void attend_item(const Item& it, int64_t layer_at, AttentionScratch& sc);
+  void combine_row_blocks(const ThreadRows& tr);
+  void mlp_block(int64_t l, const ThreadRows& tr);
+
+  // the step's shape and inputs
+  const at::Tensor& x_;
+  at::IntArrayRef slots_;
+  int64_t T_, H_, L_, n_slots_, S_, D_, n_heads_, n_kv_heads_, nq_, nkv_, nqkv_, group_;
+  const float *cs_, *sn_;
+  float feps_, scale_;
+  bool bf16_;
+  float *k_f32_, *v_f32_;
+  uint16_t *k_b16_, *v_b16_;
+  // the kernels and the rows
+  const quasar::step::FloatKernels& fk_;
+  StepRows rows_;
+  AttentionKernels kern_;
+  // attention: the items, score-row stride, the blocks' partial results (d + 2 floats each,
+  // combine_blocks) of queries with more than one block: [row, head, block]
+  bool blocked_;
+  int64_t stride_, most_blocks_, part_size_;
+  std::vector<Item> items_;
+  std::vector<float> partials_;
+  // Attention items are taken dynamically (their cost varies with each slot's length): one
+  // counter per layer, so no reset is needed between layers.
+  std::unique_ptr<std::atomic<int64_t>[]> next_item_;
+#ifdef QUASAR_AMX_ATTENTION
+  // attend_prefill's operands, per kv head: K^T per 16 keys (D / 2 rows of 64 bytes) and V
+  // pairs per 32 keys (D rows), for every key of the step (stride covers them in whole
+  // 32-key chunks)
+  int64_t kt_rows_ = 0, vt_rows_ = 0, halves_ = 0;
+  std::vector<uint8_t> operands_raw_;
+  __m512i* operands_ = nullptr;
+#endif
+  // the layers: plans, linears (the GEMMs point into them), 4 GEMMs each (qkv, o, gate_up,
+  // down) and the activations between them
+  std::vector<LayerPlan> plan_;
+  std::vector<quasar::LayerLinears> linears_;
+  std::vector<quasar::StepGemm> gemms_;
+  std::optional<quasar::StepActs> acts_;
+  std::vector<float> h_, proj_, attn_, gu_, act_;
+  at::Tensor out_;  // the residual stream, updated in place layer by layer
+  float* xs_ = nullptr;
+};
+
+DecoderStep::DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                         at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents,
+                         double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill)
+    : x_(x),
+      slots_(slots),
+      T_(x.size(1)),
+      H_(x.size(2)),
+      L_(k_cache.size(0)),
+      n_slots_(k_cache.size(1)),
+      S_(k_cache.size(3)),
+      D_(k_cache.size(4)),
+      n_heads_(n_heads),
+      n_kv_heads_(n_kv_heads),
+      nq_(n_heads * D_),
+      nkv_(n_kv_heads * D_),
+      nqkv_(nq_ + 2 * nkv_),
+      group_(n_heads / n_kv_heads),
+      feps_(static_cast<float>(eps)),
+      scale_(1.0f / std::sqrt(static_cast<float>(D_))),
+      bf16_(k_cache.scalar_type() == at::kBFloat16),
+      fk_(float_kernels()),
+      rows_(plan_rows(slots, starts, parents, n_slots_, S_)),
+      kern_(attention_kernels(fk_, bf16_, D_, rows_, prefill)) {
+  stride_ = (rows_.max_keys + 31) / 32 * 32;  // of the score rows (32-key tiles in prefill)
+  cs_ = float_data(cos, T_ * D_, "cos");
+  sn_ = float_data(sin, T_ * D_, "sin");
+  k_f32_ = bf16_ ? nullptr : k_cache.data_ptr<float>();
+  v_f32_ = bf16_ ? nullptr : v_cache.data_ptr<float>();
+  k_b16_ = bf16_ ? reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()) : nullptr;
+  v_b16_ = bf16_ ? reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()) : nullptr;
+  plan_attention();
+}
+
+void DecoderStep::plan_attention() {
+#ifdef QUASAR_AMX_ATTENTION
+  kt_rows_ = stride_ / 16 * D_ / 2, vt_rows_ = stride_ / 32 * D_, halves_ = stride_ / 16;
+  operands_ = aligned_vectors(operands_raw_, kern_.prefill_tiles ? n_kv_heads_ * (kt_rows_ + vt_rows_) : 0);
+#endif
+  blocked_ = kern_.attend_bf16 && !kern_.prefill_tiles;
+  std::vector<int64_t> group_blocks;
+  int64_t units = 0;
+  for (const auto& [first, end] : rows_.groups) {
+    group_blocks.push_back(n_blocks(*std::max_element(rows_.n_keys.begin() + first, rows_.n_keys.begin() + end)));
+    units += n_kv_heads_ * group_blocks.back();
+  }
+  const int64_t min_parts = (2 * at::get_num_threads() + units - 1) / units;
+  for (size_t g = 0; g < rows_.groups.size(); ++g) {
+    const auto [first, end] = rows_.groups[g];
+    const int64_t per_kv = group_ * (end - first);
+    const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries, min_parts));
+    for (int64_t kv = 0; kv < n_kv_heads_; ++kv)
+      for (int64_t b = 0; b < group_blocks[g]; ++b)
+        for (int64_t part = 0; part < parts; ++part)
+          items_.push_back({first, slots_[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts, b});
+  }
+  most_blocks_ = n_blocks(rows_.max_keys), part_size_ = D_ + 2;
+  partials_.resize(most_blocks_ > 1 ? T_ * n_heads_ * most_blocks_ * part_size_ : 0);
+  next_item_.reset(new std::atomic<int64_t>[L_]);
+  for (int64_t l = 0; l < L_; ++l) next_item_[l] = 0;
+}
+
+void DecoderStep::plan_layers(const TensorList& norms, const TensorList& weights, const TensorList& tiles,
+                              const TensorList& scales, const TensorList& biases, const TensorList& comps,
+                              at::IntArrayRef act_bits, const TensorList& w4, at::IntArrayRef w4_groups) {
+  linears_.reserve(L_);  // the GEMMs below point into it
+  int64_t inter_max = 0;
+  for (int64_t l = 0; l < L_; ++l) {
+    linears_.push_back(
+        quasar::layer_linears(weights, tiles, scales, biases, comps, act_bits, w4, w4_groups, l, H_, nq_, nkv_));
+    const int64_t inter = linears_.back().inter;
+    inter_max = std::max(inter_max, inter);
+    const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
+    TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
+                "w8a8_decoder_layers: missing layer norm");
+    plan_.push_back({float_data(*norms.get(4 * l), H_, "input_layernorm"),
+                     float_data(*norms.get(4 * l + 1), H_, "post_attention_layernorm"),
+                     qn.has_value() && qn->defined() ? float_data(*qn, D_, "q_norm") : nullptr,
+                     kn.has_value() && kn->defined() ? float_data(*kn, D_, "k_norm") : nullptr, inter});
+  }
+  out_ = x_.clone();
+  xs_ = out_.data_ptr<float>();
+  h_.resize(T_ * H_), proj_.resize(T_ * std::max(nqkv_, H_)), attn_.resize(T_ * nq_);
+  gu_.resize(T_ * 2 * inter_max), act_.resize(T_ * inter_max);
+  // The quantized activations of the GEMM at hand: phases are separated by barriers, so one
+  // set serves every GEMM.
+  acts_.emplace(T_, std::max({H_, nq_, inter_max}));
+  gemms_.reserve(4 * L_);
+  for (int64_t l = 0; l < L_; ++l) {
+    const quasar::LayerLinears& g = linears_[l];
+    gemms_.emplace_back(g.qkv, *acts_, T_, proj_.data(), nqkv_);
+    gemms_.emplace_back(g.o, *acts_, T_, proj_.data(), H_);
+    gemms_.emplace_back(g.gate_up, *acts_, T_, gu_.data(), 2 * g.inter);
+    gemms_.emplace_back(g.down, *acts_, T_, proj_.data(), H_);
+  }
+}
+
+// The whole step is one parallel region: each layer is a sequence of phases separated by
+// barriers, so the glue between GEMMs (norms, quantization, RoPE, SiLU, residuals) is
+// spread over the threads by rows instead of running on one while the others wait, and
+// the ~150 fork/joins of a region per GEMM and attention call are gone. Row phases give
+// each thread the same rows throughout (so a row's residual add and the next norm need no
+// barrier); GEMM phases split the output vectors; every row and every output column is
+// computed alone, so how the work is split never changes a bit.
+at::Tensor DecoderStep::run() {
+  const int n_threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(n_threads)
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const ThreadRows tr{tid, nt, T_ * tid / nt, T_ * (tid + 1) / nt, T_ * (tid + 1) / nt - T_ * tid / nt};
+    AttentionScratch sc;
+    sc.scores.resize(kMaxGroupQueries * stride_), sc.acc.resize(kMaxGroupQueries * 2 * D_);
+    sc.probs.resize(bf16_ ? kMaxGroupQueries * stride_ : 0);
+#ifdef QUASAR_AMX_ATTENTION
+    sc.amx_ops = aligned_vectors(sc.amx_raw, kern_.attend_amx ? 2 * kBlockKeys / 16 * D_ / 2 : 0);
+#endif
+    for (int64_t l = 0; l < L_; ++l) {
+      attention_block(l, tr, sc);
+      mlp_block(l, tr);
+    }
+  }
+  return out_;
+}
+
+// Norm and quantize this thread's rows, then q, k, v; qk-norm, RoPE and the K/V rows into
+// the cache; attention; then the o projection.
+void DecoderStep::attention_block(int64_t l, const ThreadRows& tr, AttentionScratch& sc) {
+  const LayerPlan& p = plan_[l];
+  const quasar::StepGemm* lg = gemms_.data() + 4 * l;
+  if (tr.nr) fk_.rms_norm(xs_ + tr.r0 * H_, tr.nr, H_, p.w_in, feps_, h_.data() + tr.r0 * H_);
+  lg[0].quantize(h_.data(), tr.r0, tr.r1);
+#pragma omp barrier
+  lg[0].run(tr.tid, tr.nt);
+#pragma omp barrier
+  rope_and_store(l, tr);
+#pragma omp barrier
+  const int64_t layer_at = l * n_slots_ * n_kv_heads_ * S_ * D_;
+  if (kern_.prefill_tiles) {
+    prefill_operands(l, tr);
+#pragma omp barrier
+  }
+  const int64_t n_items = static_cast<int64_t>(items_.size());
+  for (int64_t i = next_item_[l]++; i < n_items; i = next_item_[l]++) attend_item(items_[i], layer_at, sc);
+#pragma omp barrier
+  if (most_blocks_ > 1) combine_row_blocks(tr);
+  lg[1].quantize(attn_.data(), tr.r0, tr.r1);
+#pragma omp barrier
+  lg[1].run(tr.tid, tr.nt);
+#pragma omp barrier
+}
+
+// qk-norm, RoPE and the K/V of this thread's rows into layer l's cache (float32 or bf16;
+// slot s's kv head h at ((s * KVH + h) * S) * D).
+void DecoderStep::rope_and_store(int64_t l, const ThreadRows& tr) {
+  const LayerPlan& p = plan_[l];
+  const int64_t layer_at = l * n_slots_ * n_kv_heads_ * S_ * D_;
+  for (int64_t t = tr.r0; t < tr.r1; ++t) {
+    float* row = proj_.data() + t * nqkv_;
+    if (p.w_qn) fk_.rms_norm(row, n_heads_, D_, p.w_qn, feps_, row);
+    if (p.w_kn) fk_.rms_norm(row + nq_, n_kv_heads_, D_, p.w_kn, feps_, row + nq_);
+    for (int64_t hd = 0; hd < n_heads_ + n_kv_heads_; ++hd) rope(row + hd * D_, cs_ + t * D_, sn_ + t * D_, D_);
+    for (int64_t kv = 0; kv < n_kv_heads_; ++kv) {
+      const int64_t at_row = layer_at + ((slots_[t] * n_kv_heads_ + kv) * S_ + rows_.cache_row[t]) * D_;
+      if (bf16_) {
+        const auto store = kern_.attend_b16 ? fk_.store_b16 : quasar::step::store_bf16;
+        store(row + nq_ + kv * D_, D_, k_b16_ + at_row);
+        store(row + nq_ + nkv_ + kv * D_, D_, v_b16_ + at_row);
+      } else {
+        std::copy_n(row + nq_ + kv * D_, D_, k_f32_ + at_row);
+        std::copy_n(row + nq_ + nkv_ + kv * D_, D_, v_f32_ + at_row);
+      }
+    }
+  }
+}
+
+// attend_prefill's operands of every kv head, 16 keys a unit, split over the threads.
+void DecoderStep::prefill_operands(int64_t l, const ThreadRows& tr) {
+#ifdef QUASAR_AMX_ATTENTION
+  const int64_t layer_at = l * n_slots_ * n_kv_heads_ * S_ * D_;
+  const int64_t units = n_kv_heads_ * halves_, first = rows_.groups[0].first;
+  for (int64_t u = units * tr.tid / tr.nt; u < units * (tr.tid + 1) / tr.nt; ++u) {
+    const int64_t kv = u / halves_, head = layer_at + (slots_[first] * n_kv_heads_ + kv) * S_ * D_;
+    __m512i* kt = operands_ + kv * (kt_rows_ + vt_rows_);
+    kern_.prefill_operands(k_b16_ + head, v_b16_ + head, rows_.max_keys, u % halves_, kt, kt + kt_rows_);
+  }
+#else
+  (void)l, (void)tr;
+#endif
+}
+
+// One attention item: its queries' vectors, outputs and keys, then the kernel of the step.
+void DecoderStep::attend_item(const Item& it, int64_t layer_at, AttentionScratch& sc) {
+  const float* qp[kMaxGroupQueries];
+  float *op[kMaxGroupQueries], *pp[kMaxGroupQueries];
+  int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
+  const int64_t* tl[kMaxGroupQueries];
+  for (int64_t qi = it.q0; qi < it.q1; ++qi) {
+    const int64_t t = it.first + qi / group_, hd = it.kv * group_ + qi % group_;
+    qp[qi - it.q0] = proj_.data() + t * nqkv_ + hd * D_;
+    op[qi - it.q0] = attn_.data() + t * nq_ + hd * D_;
+    pp[qi - it.q0] = n_blocks(rows_.n_keys[t]) > 1
+                         ? partials_.data() + ((t * n_heads_ + hd) * most_blocks_ + it.block) * part_size_
+                         : nullptr;
+    ns[qi - it.q0] = rows_.n_keys[t];
+    sp[qi - it.q0] = rows_.split[t];
+    tl[qi - it.q0] = rows_.tails[t];
+  }
+  const int64_t head = layer_at + (it.slot * n_kv_heads_ + it.kv) * S_ * D_, nq = it.q1 - it.q0;
+  const int64_t lo = it.block * kBlockKeys, hi = (it.block + 1) * kBlockKeys;
+  const KeyMap keys{sp, tl};
+#ifdef QUASAR_AMX_ATTENTION
+  if (kern_.attend_prefill) {
+    const __m512i* kt = operands_ + it.kv * (kt_rows_ + vt_rows_);
+    kern_.attend_prefill(qp, ns, op, nq, kt, kt + kt_rows_, scale_, sc.scores.data(), sc.probs.data(), stride_,
+                         sc.acc.data());
+    return;
+  }
+  if (kern_.attend_amx) {
+    kern_.attend_amx(qp, ns, keys, op, pp, nq, lo, hi, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(),
+                     sc.probs.data(), stride_, sc.acc.data(), sc.amx_ops);
+    return;
+  }
+#endif
+  if (kern_.attend_b16)
+    kern_.attend_b16(qp, ns, keys, op, nq, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(), stride_,
+                     sc.acc.data());
+  else if (bf16_)
+    kern_.attend_bf16(qp, ns, keys, op, pp, nq, lo, hi, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(),
+                      sc.probs.data(), stride_, sc.acc.data());
+  else
+    kern_.attend(qp, ns, keys, op, nq, k_f32_ + head, v_f32_ + head, scale_, sc.scores.data(), stride_,
+                 sc.acc.data());
+}
+
+// This thread's rows: join the blocks of queries that have several.
+void DecoderStep::combine_row_blocks(const ThreadRows& tr) {
+  for (int64_t t = tr.r0; t < tr.r1; ++t) {
+    const int64_t nb = n_blocks(rows_.n_keys[t]);
+    if (nb > 1)
+      for (int64_t hd = 0; hd < n_heads_; ++hd)
+        quasar::step::combine_blocks(partials_.data() + (t * n_heads_ + hd) * most_blocks_ * part_size_, nb, D_,
+                                     attn_.data() + t * nq_ + hd * D_);
+  }
+}
+
+// Residual, norm and quantize this thread's rows, then gate and up; SiLU, then down; the
+// residual again (the next layer reads the same rows).
+void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
+  const LayerPlan& p = plan_[l];
+  const quasar::StepGemm* lg = gemms_.data() + 4 * l;
+  if (tr.nr) {
+    fk_.add_into(xs_ + tr.r0 * H_, proj_.data() + tr.r0 * H_, tr.nr * H_);
+    fk_.rms_norm(xs_ + tr.r0 * H_, tr.nr, H_, p.w_post, feps_, h_.data() + tr.r0 * H_);
+  }
+  lg[2].quantize(h_.data(), tr.r0, tr.r1);
+#pragma omp barrier
+  lg[2].run(tr.tid, tr.nt);
+#pragma omp barrier
+  if (tr.nr) fk_.silu_mul(gu_.data() + tr.r0 * 2 * p.inter, tr.nr, p.inter, act_.data() + tr.r0 * p.inter);
+  lg[3].quantize(act_.data(), tr.r0, tr.r1);
+#pragma omp barrier
+  lg[3].run(tr.tid, tr.nt);
+#pragma omp barrier
+  if (tr.nr) fk_.add_into(xs_ + tr.r0 * H_, proj_.data() + tr.r0 * H_, tr.nr * H_);
+}
+
+}  // namespace
 
 // x [1, T, H] float32 -> the hidden states after all L layers [1, T, H], for the rows of a
 // verifier step over one or more cache slots (quasar/models/rows.py). k_cache / v_cache are
@@ -115,338 +603,24 @@ const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
 // bias.
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef slots,
-                               at::IntArrayRef starts, at::IntArrayRef parents,
-                               const c10::List<std::optional<at::Tensor>>& norms, double eps,
-                               const c10::List<std::optional<at::Tensor>>& weights,
-                               const c10::List<std::optional<at::Tensor>>& tiles,
-                               const c10::List<std::optional<at::Tensor>>& scales,
-                               const c10::List<std::optional<at::Tensor>>& biases,
-                               const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
-                               const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups,
-                               int64_t n_heads, int64_t n_kv_heads, bool prefill) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
-  const int64_t T = x.size(1), H = x.size(2);
-  TORCH_CHECK(T >= 1 && T <= kMaxRows, "w8a8_decoder_layers: 1..", kMaxRows, " rows, got ", T);
-  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && (bf16 || k_cache.scalar_type() == at::kFloat) &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(2) == n_kv_heads,
-              "w8a8_decoder_layers: caches must be contiguous float32 or bfloat16 [L, slots, KVH, S, D]");
-  // The active kernel path's float kernels. A bfloat16 cache is attended with AVX512-BF16
-  // products (attention.h) on the AVX512 paths, and widened to float32 by the 8-float
-  // kernels (fk.attend_b16) below them.
-  const quasar::step::FloatKernels& fk = float_kernels();
-  const bool widened_bf16 = bf16 && fk.attend_b16 != nullptr;
-  TORCH_CHECK(!bf16 || widened_bf16 || quasar::step::bf16_supported(),
-              "w8a8_decoder_layers: a bfloat16 cache needs an AVX512-BF16 CPU on an AVX512 kernel path");
-  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-              "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
-  const int64_t L = k_cache.size(0), n_slots = k_cache.size(1), D = k_cache.size(4), S = k_cache.size(3);
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 4 * L && static_cast<int64_t>(weights.size()) == 7 * L &&
-                  static_cast<int64_t>(tiles.size()) == 7 * L &&
-                  static_cast<int64_t>(scales.size()) == 7 * L && static_cast<int64_t>(biases.size()) == 7 * L &&
-                  static_cast<int64_t>(comps.size()) == 7 * L && static_cast<int64_t>(act_bits.size()) == 7 * L &&
-                  static_cast<int64_t>(w4.size()) == 7 * L && static_cast<int64_t>(w4_groups.size()) == 7 * L,
-              "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
-  TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && static_cast<int64_t>(slots.size()) == T &&
-                  static_cast<int64_t>(starts.size()) == T && parents[0] == -1,
-              "w8a8_decoder_layers: one slot, start and parent per row, parent -1 for the first");
-  // Per row: its cache row (where its K/V go), and its logical keys (KeyMap): n_keys[t] of
-  // them, rows [0, split[t]) of its slot's cache and then tails[t], the cache rows of the
-  // path from the first one off the slot's chain. `groups`: each slot's rows [first, end).
-  std::vector<int64_t> n_keys(T), split(T), cache_row(T), tail_rows(T * T), path;
-  std::vector<const int64_t*> tails(T);
-  std::vector<std::pair<int64_t, int64_t>> groups;
-  std::vector<bool> seen(n_slots, false);
-  bool is_chain = true;
-  int64_t max_keys = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = slots[t];
-    TORCH_CHECK(slot >= 0 && slot < n_slots, "w8a8_decoder_layers: slot ", slot, " is not in the cache");
-    if (parents[t] == -1) {
-      TORCH_CHECK(!seen[slot], "w8a8_decoder_layers: the rows of slot ", slot, " must be contiguous, one root");
-      seen[slot] = true;
-      groups.emplace_back(t, t + 1);
-    } else {
-      const int64_t p = parents[t];
-      TORCH_CHECK(p >= groups.back().first && p < t && slots[p] == slot && starts[p] == starts[t],
-                  "w8a8_decoder_layers: parents[", t, "] must be an earlier row of the same slot");
-      groups.back().second = t + 1;
-    }
-    const int64_t first = groups.back().first;
-    cache_row[t] = starts[t] + t - first;
-    TORCH_CHECK(starts[t] >= 0 && cache_row[t] < S, "w8a8_decoder_layers: rows past the cache");
-    path.clear();
-    for (int64_t r = t; r != -1; r = parents[r]) path.push_back(r);
-    std::reverse(path.begin(), path.end());
-    int64_t m = 0;
-    while (m < static_cast<int64_t>(path.size()) && path[m] == first + m) ++m;
-    is_chain = is_chain && m == static_cast<int64_t>(path.size());
-    n_keys[t] = starts[t] + static_cast<int64_t>(path.size());
-    split[t] = starts[t] + m;
-    for (size_t i = m; i < path.size(); ++i) tail_rows[t * T + (i - m)] = cache_row[path[i]];
-    tails[t] = tail_rows.data() + t * T;
-    max_keys = std::max(max_keys, n_keys[t]);
-  }
-  // A batch of chains keeps the plain attention kernel (no key lookups at all).
-  const auto rms_norm = fk.rms_norm;
-  const auto silu_mul = fk.silu_mul;
-  const auto add_into = fk.add_into;
-  const AttendFn attend = fk.attend(D, !is_chain);
-  const quasar::step::AttendB16Fn attend_b16 = widened_bf16 ? fk.attend_b16(D, !is_chain) : nullptr;
-  const AttendBf16Fn attend_bf16 = bf16 && !widened_bf16 ? quasar::step::attend_bf16(D, !is_chain) : nullptr;
-  // An AMX-BF16 CPU's steps attend with tiles (attend_group_amx), all of them.
-#ifdef QUASAR_AMX_ATTENTION
-  const quasar::step::AttendAmxFn attend_amx =
-      attend_bf16 && quasar::step::amx_bf16_supported() ? quasar::step::attend_amx(D, !is_chain) : nullptr;
-#endif
-  TORCH_CHECK(attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
-  TORCH_CHECK(!bf16 || attend_bf16 != nullptr || attend_b16 != nullptr,
-              "w8a8_decoder_layers: a bfloat16 cache needs head_dim 32, 64, 96, 128 or 256");
-  const int64_t stride = (max_keys + 31) / 32 * 32;  // of the score rows (32-key tiles in prefill)
-  // A prompt chunk on an AMX-BF16 CPU attends with tiles (attend_prefill_amx: allowed for
-  // prefill only, see there).
-#ifdef QUASAR_AMX_ATTENTION
-  const auto [attend_prefill, prefill_operands_fn] =
-      prefill && attend_bf16 && is_chain && groups.size() == 1 && quasar::step::amx_bf16_supported()
-          ? quasar::step::attend_prefill(D)
-          : std::pair<quasar::step::AttendPrefillFn, quasar::step::PrefillOperandsFn>{};
-  // Its operands, per kv head: K^T per 16 keys (D / 2 rows of 64 bytes) and V pairs per 32
-  // keys (D rows), for every key of the step (stride covers them in whole 32-key chunks);
-  // 64-byte aligned by hand.
-  const int64_t kt_rows = stride / 16 * D / 2, vt_rows = stride / 32 * D, halves = stride / 16;
-  std::vector<uint8_t> operands_raw(attend_prefill ? 64 * (n_kv_heads * (kt_rows + vt_rows) + 1) : 0);
-  __m512i* const operands =
-      reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(operands_raw.data()) + 63) & ~uintptr_t{63});
-  const bool prefill_tiles = attend_prefill != nullptr;
-#else
-  const bool prefill_tiles = false;
-#endif
-  const float* cs = float_data(cos, T * D, "cos");
-  const float* sn = float_data(sin, T * D, "sin");
-  const float feps = static_cast<float>(eps);
-  const int64_t nq = n_heads * D, nkv = n_kv_heads * D, nqkv = nq + 2 * nkv;
-  const int64_t group = n_heads / n_kv_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // Attention work items: the query vectors (rows x heads) of one slot's kv head over one
-  // block of its keys (a bf16 cache's steps; otherwise all keys are one block), the queries
-  // cut into pieces of at most kMaxGroupQueries, and further while there are fewer blocks
-  // than two per thread; each item streams its block of the kv head's cache once. How
-  // queries are grouped never changes their results.
-  const bool blocked = attend_bf16 && !prefill_tiles;
-  const auto n_blocks = [&](int64_t n) { return blocked ? (n + kBlockKeys - 1) / kBlockKeys : int64_t{1}; };
-  struct Item { int64_t first, slot, kv, q0, q1, block; };
-  std::vector<Item> items;
-  std::vector<int64_t> group_blocks;
-  int64_t units = 0;
-  for (const auto& [first, end] : groups) {
-    group_blocks.push_back(n_blocks(*std::max_element(n_keys.begin() + first, n_keys.begin() + end)));
-    units += n_kv_heads * group_blocks.back();
-  }
-  const int64_t min_parts = (2 * at::get_num_threads() + units - 1) / units;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto [first, end] = groups[g];
-    const int64_t per_kv = group * (end - first);
-    const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries, min_parts));
-    for (int64_t kv = 0; kv < n_kv_heads; ++kv)
-      for (int64_t b = 0; b < group_blocks[g]; ++b)
-        for (int64_t part = 0; part < parts; ++part)
-          items.push_back({first, slots[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts, b});
-  }
-  // The blocks' partial results (d + 2 floats each, combine_blocks) of queries with more
-  // than one block: [row, head, block].
-  const int64_t most_blocks = n_blocks(max_keys), part_size = D + 2;
-  std::vector<float> partials(most_blocks > 1 ? T * n_heads * most_blocks * part_size : 0);
-
-  // Per layer: its norm weights and its linears by input (step_linears.h: Int8Linears and
-  // W4A8Linears in any mix), all checked here, before the parallel region (nothing in it may
-  // throw).
-  struct LayerPlan {
-    const float *w_in, *w_post, *w_qn, *w_kn;
-    int64_t inter;
-  };
-  std::vector<LayerPlan> plan;
-  std::vector<quasar::LayerLinears> linears;
-  linears.reserve(L);  // the GEMMs below point into it
-  int64_t inter_max = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    linears.push_back(quasar::layer_linears(weights, tiles, scales, biases, comps, act_bits, w4, w4_groups, l, H, nq,
-                                            nkv));
-    const int64_t inter = linears.back().inter;
-    inter_max = std::max(inter_max, inter);
-    const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
-    TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
-                "w8a8_decoder_layers: missing layer norm");
-    plan.push_back({float_data(*norms.get(4 * l), H, "input_layernorm"),
-                    float_data(*norms.get(4 * l + 1), H, "post_attention_layernorm"),
-                    qn.has_value() && qn->defined() ? float_data(*qn, D, "q_norm") : nullptr,
-                    kn.has_value() && kn->defined() ? float_data(*kn, D, "k_norm") : nullptr, inter});
-  }
-  at::Tensor out = x.clone();  // the residual stream, updated in place layer by layer
-  float* xs = out.data_ptr<float>();
-  std::vector<float> h(T * H), proj(T * std::max(nqkv, H)), attn(T * nq), gu(T * 2 * inter_max),
-      act(T * inter_max);
-  // The quantized activations of the GEMM at hand: phases are separated by barriers, so one
-  // set serves every GEMM.
-  quasar::StepActs acts(T, std::max({H, nq, inter_max}));
-  std::vector<quasar::StepGemm> gemms;  // 4 per layer: qkv, o, gate_up, down
-  gemms.reserve(4 * L);
-  for (int64_t l = 0; l < L; ++l) {
-    const quasar::LayerLinears& g = linears[l];
-    gemms.emplace_back(g.qkv, acts, T, proj.data(), nqkv);
-    gemms.emplace_back(g.o, acts, T, proj.data(), H);
-    gemms.emplace_back(g.gate_up, acts, T, gu.data(), 2 * g.inter);
-    gemms.emplace_back(g.down, acts, T, proj.data(), H);
-  }
-  // Attention items are taken dynamically (their cost varies with each slot's length): one
-  // counter per layer, so no reset is needed between layers.
-  std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[L]);
-  for (int64_t l = 0; l < L; ++l) next_item[l] = 0;
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  float* const k_f32 = bf16 ? nullptr : k_cache.data_ptr<float>();
-  float* const v_f32 = bf16 ? nullptr : v_cache.data_ptr<float>();
-  uint16_t* const k_b16 = bf16 ? reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()) : nullptr;
-  uint16_t* const v_b16 = bf16 ? reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()) : nullptr;
-
-  // The whole step is one parallel region: each layer is a sequence of phases separated by
-  // barriers, so the glue between GEMMs (norms, quantization, RoPE, SiLU, residuals) is
-  // spread over the threads by rows instead of running on one while the others wait, and
-  // the ~150 fork/joins of a region per GEMM and attention call are gone. Row phases give
-  // each thread the same rows throughout (so a row's residual add and the next norm need no
-  // barrier); GEMM phases split the output vectors; every row and every output column is
-  // computed alone, so how the work is split never changes a bit.
-  const int n_threads = std::max(1, at::get_num_threads());
-#pragma omp parallel num_threads(n_threads)
-  {
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t r0 = T * tid / nt, r1 = T * (tid + 1) / nt, nr = r1 - r0;  // this thread's rows
-    // the GEMMs' phases: quantize this thread's rows (before a barrier), then its share of the outputs
-    const auto quantize = [&](const quasar::StepGemm& g, const float* src) { g.quantize(src, r0, r1); };
-    const auto run_gemm = [&](const quasar::StepGemm& g) { g.run(tid, nt); };
-    std::vector<float> scores(kMaxGroupQueries * stride), acc(kMaxGroupQueries * 2 * D);
-    std::vector<uint16_t> probs(bf16 ? kMaxGroupQueries * stride : 0);
-#ifdef QUASAR_AMX_ATTENTION
-    // attend_group_amx's operands of one block, 64-byte aligned by hand
-    std::vector<uint8_t> amx_raw(attend_amx ? 64 * (2 * kBlockKeys / 16 * D / 2 + 1) : 0);
-    __m512i* const amx_ops =
-        reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(amx_raw.data()) + 63) & ~uintptr_t{63});
-#endif
-
-    for (int64_t l = 0; l < L; ++l) {
-      const LayerPlan& p = plan[l];
-      const quasar::StepGemm* lg = gemms.data() + 4 * l;
-      // attention block: norm and quantize this thread's rows, then q, k, v
-      if (nr) rms_norm(xs + r0 * H, nr, H, p.w_in, feps, h.data() + r0 * H);
-      quantize(lg[0], h.data());
-#pragma omp barrier
-      run_gemm(lg[0]);
-#pragma omp barrier
-      // qk-norm, RoPE and the K/V of this thread's rows into this layer's cache (float32 or
-      // bf16; slot s's kv head h at ((s * KVH + h) * S) * D)
-      const int64_t layer_at = l * n_slots * n_kv_heads * S * D;
-      for (int64_t t = r0; t < r1; ++t) {
-        float* row = proj.data() + t * nqkv;
-        if (p.w_qn) rms_norm(row, n_heads, D, p.w_qn, feps, row);
-        if (p.w_kn) rms_norm(row + nq, n_kv_heads, D, p.w_kn, feps, row + nq);
-        for (int64_t hd = 0; hd < n_heads + n_kv_heads; ++hd) rope(row + hd * D, cs + t * D, sn + t * D, D);
-        for (int64_t kv = 0; kv < n_kv_heads; ++kv) {
-          const int64_t at_row = layer_at + ((slots[t] * n_kv_heads + kv) * S + cache_row[t]) * D;
-          if (bf16) {
-            const auto store = widened_bf16 ? fk.store_b16 : quasar::step::store_bf16;
-            store(row + nq + kv * D, D, k_b16 + at_row);
-            store(row + nq + nkv + kv * D, D, v_b16 + at_row);
-          } else {
-            std::copy_n(row + nq + kv * D, D, k_f32 + at_row);
-            std::copy_n(row + nq + nkv + kv * D, D, v_f32 + at_row);
-          }
-        }
-      }
-#pragma omp barrier
-#ifdef QUASAR_AMX_ATTENTION
-      if (attend_prefill) {  // the tiles' operands of every kv head, 16 keys a unit
-        const int64_t units = n_kv_heads * halves, first = groups[0].first;
-        for (int64_t u = units * tid / nt; u < units * (tid + 1) / nt; ++u) {
-          const int64_t kv = u / halves, head = layer_at + (slots[first] * n_kv_heads + kv) * S * D;
-          __m512i* kt = operands + kv * (kt_rows + vt_rows);
-          prefill_operands_fn(k_b16 + head, v_b16 + head, max_keys, u % halves, kt, kt + kt_rows);
-        }
-#pragma omp barrier
-      }
-#endif
-      for (int64_t i = next_item[l]++; i < n_items; i = next_item[l]++) {
-        const Item& it = items[i];
-        const float* qp[kMaxGroupQueries];
-        float *op[kMaxGroupQueries], *pp[kMaxGroupQueries];
-        int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
-        const int64_t* tl[kMaxGroupQueries];
-        for (int64_t qi = it.q0; qi < it.q1; ++qi) {
-          const int64_t t = it.first + qi / group, hd = it.kv * group + qi % group;
-          qp[qi - it.q0] = proj.data() + t * nqkv + hd * D;
-          op[qi - it.q0] = attn.data() + t * nq + hd * D;
-          pp[qi - it.q0] = n_blocks(n_keys[t]) > 1
-                               ? partials.data() + ((t * n_heads + hd) * most_blocks + it.block) * part_size
-                               : nullptr;
-          ns[qi - it.q0] = n_keys[t];
-          sp[qi - it.q0] = split[t];
-          tl[qi - it.q0] = tails[t];
-        }
-        const int64_t head = layer_at + (it.slot * n_kv_heads + it.kv) * S * D;
-#ifdef QUASAR_AMX_ATTENTION
-        if (attend_prefill) {
-          const __m512i* kt = operands + it.kv * (kt_rows + vt_rows);
-          attend_prefill(qp, ns, op, it.q1 - it.q0, kt, kt + kt_rows, scale, scores.data(), probs.data(), stride,
-                         acc.data());
-          continue;
-        }
-        if (attend_amx) {
-          attend_amx(qp, ns, KeyMap{sp, tl}, op, pp, it.q1 - it.q0, it.block * kBlockKeys, (it.block + 1) * kBlockKeys,
-                     k_b16 + head, v_b16 + head, scale, scores.data(), probs.data(), stride, acc.data(), amx_ops);
-          continue;
-        }
-#endif
-        if (attend_b16)
-          attend_b16(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_b16 + head, v_b16 + head, scale, scores.data(),
-                     stride, acc.data());
-        else if (bf16)
-          attend_bf16(qp, ns, KeyMap{sp, tl}, op, pp, it.q1 - it.q0, it.block * kBlockKeys,
-                      (it.block + 1) * kBlockKeys, k_b16 + head, v_b16 + head, scale, scores.data(),
-                      probs.data(), stride, acc.data());
-        else
-          attend(qp, ns, KeyMap{sp, tl}, op, it.q1 - it.q0, k_f32 + head, v_f32 + head, scale, scores.data(),
-                 stride, acc.data());
-      }
-#pragma omp barrier
-      if (most_blocks > 1)  // this thread's rows: join the blocks of queries that have several
-        for (int64_t t = r0; t < r1; ++t) {
-          const int64_t nb = n_blocks(n_keys[t]);
-          if (nb > 1)
-            for (int64_t hd = 0; hd < n_heads; ++hd)
-              quasar::step::combine_blocks(partials.data() + (t * n_heads + hd) * most_blocks * part_size, nb, D,
-                             attn.data() + t * nq + hd * D);
-        }
-      quantize(lg[1], attn.data());
-#pragma omp barrier
-      run_gemm(lg[1]);
-#pragma omp barrier
-      // MLP block: residual, norm and quantize this thread's rows, then gate and up
-      if (nr) {
-        add_into(xs + r0 * H, proj.data() + r0 * H, nr * H);
-        rms_norm(xs + r0 * H, nr, H, p.w_post, feps, h.data() + r0 * H);
-      }
-      quantize(lg[2], h.data());
-#pragma omp barrier
-      run_gemm(lg[2]);
-#pragma omp barrier
-      if (nr) silu_mul(gu.data() + r0 * 2 * p.inter, nr, p.inter, act.data() + r0 * p.inter);
-      quantize(lg[3], act.data());
-#pragma omp barrier
-      run_gemm(lg[3]);
-#pragma omp barrier
-      if (nr) add_into(xs + r0 * H, proj.data() + r0 * H, nr * H);  // the next layer reads the same rows
-    }
-  }
-  return out;
+                               at::IntArrayRef starts, at::IntArrayRef parents, const TensorList& norms, double eps,
+                               const TensorList& weights, const TensorList& tiles, const TensorList& scales,
+                               const TensorList& biases, const TensorList& comps, at::IntArrayRef act_bits,
+                               const TensorList& w4, at::IntArrayRef w4_groups, int64_t n_heads, int64_t n_kv_heads,
+                               bool prefill) {
+  const int64_t n_linears = static_cast<int64_t>(weights.size());
+  const bool same_lengths = static_cast<int64_t>(tiles.size()) == n_linears &&
+                            static_cast<int64_t>(scales.size()) == n_linears &&
+                            static_cast<int64_t>(biases.size()) == n_linears &&
+                            static_cast<int64_t>(comps.size()) == n_linears &&
+                            static_cast<int64_t>(act_bits.size()) == n_linears &&
+                            static_cast<int64_t>(w4.size()) == n_linears &&
+                            static_cast<int64_t>(w4_groups.size()) == n_linears;
+  check_step_args(x, k_cache, v_cache, slots, starts, parents, static_cast<int64_t>(norms.size()),
+                  same_lengths ? n_linears : -1, n_heads, n_kv_heads);
+  DecoderStep step(x, cos, sin, k_cache, v_cache, slots, starts, parents, eps, n_heads, n_kv_heads, prefill);
+  step.plan_layers(norms, weights, tiles, scales, biases, comps, act_bits, w4, w4_groups);
+  return step.run();
 }
 
 // Whether w8a8_decoder_layers takes a bfloat16 KV cache here: AVX512-BF16 on the AVX512

@@ -56,12 +56,97 @@ int64_t small_m_limit() {
   return quasar::amx_enabled() ? kTiledMaxRows : kSmallMaxRows;
 }
 
-
 at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.device().is_cpu(), "int8_linear: ", what, " must be on the CPU");
   TORCH_CHECK(t.numel() == n, "int8_linear: ", what, " must have ", n, " elements, got ",
               t.numel());
   return t.to(at::kFloat).contiguous();  // no-ops for the usual float32 buffers
+}
+
+// The operands of one int8_linear call as its kernels take them (float32, contiguous), and
+// which GEMM computes its rows: the small-M kernel (segment `seg` over the weight's tiles;
+// every M below the AVX512 paths: same int32s, same epilogue) or oneDNN's u8 or s8 one.
+struct LinearOperands {
+  at::Tensor ws, b, cmp, c;
+  quasar::Int8Segment seg{};
+  bool use_u8 = false, small_m = false;
+  const float* bias() const { return b.defined() ? b.data_ptr<float>() : nullptr; }
+};
+
+LinearOperands linear_operands(const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& comp, const std::optional<at::Tensor>& tiles,
+                               bool u8_single, bool u8_multi, int64_t M, int64_t N, int64_t K) {
+  LinearOperands o;
+  o.ws = as_float_vector(weight_scale, N, "weight_scale");
+  if (bias.has_value() && bias->defined()) o.b = as_float_vector(*bias, N, "bias");
+  o.use_u8 = M == 1 ? u8_single : u8_multi;
+  if (o.use_u8) {
+    TORCH_CHECK(comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt && comp->numel() == N,
+                "int8_linear: the u8 variant needs comp = 128 * rowsum(weight) as int32 [N]");
+    o.cmp = comp->contiguous();
+  }
+  o.small_m = M <= small_m_limit() && comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
+              comp->numel() == N && tiles.has_value() && tiles->defined();
+  if (o.small_m) {
+    TORCH_CHECK(tiles->scalar_type() == at::kChar && tiles->is_contiguous() &&
+                    tiles->numel() == quasar::tiled_bytes(N, K),
+                "int8_linear: tiles must be the weight packed by int8_pack_tiles");
+    o.c = comp->contiguous();
+    o.seg = {tiles->data_ptr<int8_t>(), N, o.c.data_ptr<int32_t>(), o.ws.data_ptr<float>(), o.bias(), 0};
+  }
+  return o;
+}
+
+// The rows the small-M kernel does not take: oneDNN where it is exact (AVX512 paths), else
+// float64, exact too (|sums| < 2**53); torch 2.13's CPU _int_mm is wrong for K == 1.
+// q int8 or uint8 [M, K] -> int32 [M, N].
+at::Tensor exact_int_mm(const at::Tensor& q, const at::Tensor& weight) {
+  if (weight.size(1) == 1 || !onednn_allowed())
+    return at::matmul(q.to(at::kDouble), weight.to(at::kDouble).t()).to(at::kInt);
+  return at::_int_mm(q, weight.t());
+}
+
+// 15-bit activations as two int8 halves (see Int8Linear): y [M, N] from xf [M, K].
+void linear_15bit(const at::Tensor& xf, const at::Tensor& weight, const LinearOperands& o, float* sx, float* y) {
+  const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
+  at::Tensor hi = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
+  at::Tensor lo = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
+  quasar::quantize_rows_split_u8(xf.data_ptr<float>(), M, K, hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), sx);
+  if (o.small_m) {
+    quasar::small_m_gemm_split(hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), M, K, &o.seg, 1, sx, y, N);
+    return;
+  }
+  // s8 halves (both in [-127, 127]), each an exact int32 GEMM
+  const auto gemm = [&](const at::Tensor& u) {
+    return exact_int_mm(u.narrow(1, 0, K).to(at::kShort).sub_(128).to(at::kChar).contiguous(), weight)
+        .to(at::kLong);
+  };
+  const at::Tensor acc = gemm(hi).mul_(128).add_(gemm(lo)).contiguous();
+  epilogue(acc.data_ptr<int64_t>(), N, nullptr, o.ws.data_ptr<float>(), sx, o.bias(), M, N, y, N);
+}
+
+// 8-bit activations: y [M, N] from xf [M, K].
+void linear_8bit(const at::Tensor& xf, const at::Tensor& weight, const LinearOperands& o, float* sx, float* y) {
+  const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
+  if (o.small_m) {
+    at::Tensor q = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
+    quasar::quantize_rows_u8(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx);
+    quasar::small_m_gemm(q.data_ptr<uint8_t>(), M, K, &o.seg, 1, sx, y, N);
+    return;
+  }
+  at::Tensor acc;
+  if (o.use_u8) {
+    at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
+    quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx, K);
+    acc = exact_int_mm(q, weight);
+  } else {
+    at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
+    quantize_rows<int8_t, 0>(xf.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), sx, K);
+    acc = exact_int_mm(q, weight);
+  }
+  if (acc.stride(1) != 1) acc = acc.contiguous();
+  epilogue(acc.data_ptr<int32_t>(), acc.stride(0), o.cmp.defined() ? o.cmp.data_ptr<int32_t>() : nullptr,
+           o.ws.data_ptr<float>(), sx, o.bias(), M, N, y, N);
 }
 
 }  // namespace
@@ -96,85 +181,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
   const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, N}, xf.options());
-  const auto finish = [&]() {  // the result in x's dtype and shape
-    if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
-    return y.view(out_shape);
-  };
   if (M > 0 && N > 0) {
-    const at::Tensor ws = as_float_vector(weight_scale, N, "weight_scale");
-    at::Tensor b;
-    if (bias.has_value() && bias->defined()) b = as_float_vector(*bias, N, "bias");
-    const bool use_u8 = M == 1 ? u8_single : u8_multi;
-    at::Tensor cmp;
-    if (use_u8) {
-      TORCH_CHECK(comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
-                      comp->numel() == N,
-                  "int8_linear: the u8 variant needs comp = 128 * rowsum(weight) as int32 [N]");
-      cmp = comp->contiguous();
-    }
+    const LinearOperands o = linear_operands(weight_scale, bias, comp, tiles, u8_single, u8_multi, M, N, K);
     std::vector<float> sx(M);
-    // Small M (every M below the AVX512 paths): the hand-written kernel (same int32s, same
-    // epilogue).
-    const bool small_m = M <= small_m_limit() &&
-                         comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
-                         comp->numel() == N && tiles.has_value() && tiles->defined();
-    at::Tensor c;
-    quasar::Int8Segment seg{};
-    if (small_m) {
-      TORCH_CHECK(tiles->scalar_type() == at::kChar && tiles->is_contiguous() &&
-                      tiles->numel() == quasar::tiled_bytes(N, K),
-                  "int8_linear: tiles must be the weight packed by int8_pack_tiles");
-      c = comp->contiguous();
-      seg = {tiles->data_ptr<int8_t>(), N, c.data_ptr<int32_t>(), ws.data_ptr<float>(),
-             b.defined() ? b.data_ptr<float>() : nullptr, 0};
-    }
-    // The rows the small-M kernel does not take: oneDNN where it is exact (AVX512 paths),
-    // else float64, exact too (|sums| < 2**53); torch 2.13's CPU _int_mm is wrong for K == 1.
-    const auto int_mm = [&](const at::Tensor& q) {  // q int8 or uint8 [M, K] -> int32 [M, N]
-      if (K == 1 || !onednn_allowed()) return at::matmul(q.to(at::kDouble), weight.to(at::kDouble).t()).to(at::kInt);
-      return at::_int_mm(q, weight.t());
-    };
-    if (act_bits == 15) {  // 15-bit activations as two int8 halves (see Int8Linear)
-      at::Tensor hi = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
-      at::Tensor lo = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
-      quasar::quantize_rows_split_u8(xf.data_ptr<float>(), M, K, hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(),
-                                     sx.data());
-      if (small_m) {
-        quasar::small_m_gemm_split(hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), M, K, &seg, 1, sx.data(),
-                                   y.data_ptr<float>(), N);
-        return finish();
-      }
-      // s8 halves (both in [-127, 127]), each an exact int32 GEMM
-      const auto gemm = [&](const at::Tensor& u) {
-        return int_mm(u.narrow(1, 0, K).to(at::kShort).sub_(128).to(at::kChar).contiguous()).to(at::kLong);
-      };
-      const at::Tensor acc = gemm(hi).mul_(128).add_(gemm(lo)).contiguous();
-      epilogue(acc.data_ptr<int64_t>(), N, nullptr, ws.data_ptr<float>(), sx.data(),
-               b.defined() ? b.data_ptr<float>() : nullptr, M, N, y.data_ptr<float>(), N);
-      return finish();
-    }
-    if (small_m) {
-      at::Tensor q = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
-      quasar::quantize_rows_u8(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data());
-      quasar::small_m_gemm(q.data_ptr<uint8_t>(), M, K, &seg, 1, sx.data(), y.data_ptr<float>(), N);
-      return finish();
-    }
-    at::Tensor acc;
-    if (use_u8) {
-      at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
-      quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx.data(), K);
-      acc = int_mm(q);
-    } else {
-      at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
-      quantize_rows<int8_t, 0>(xf.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), sx.data(), K);
-      acc = int_mm(q);
-    }
-    if (acc.stride(1) != 1) acc = acc.contiguous();
-    epilogue(acc.data_ptr<int32_t>(), acc.stride(0), cmp.defined() ? cmp.data_ptr<int32_t>() : nullptr,
-             ws.data_ptr<float>(), sx.data(), b.defined() ? b.data_ptr<float>() : nullptr, M, N,
-             y.data_ptr<float>(), N);
+    if (act_bits == 15)
+      linear_15bit(xf, weight, o, sx.data(), y.data_ptr<float>());
+    else
+      linear_8bit(xf, weight, o, sx.data(), y.data_ptr<float>());
   }
-  return finish();
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());  // the result in x's dtype and shape
+  return y.view(out_shape);
 }
 
 // The largest M that takes the small-M kernel (default 16, or kTiledMaxRows with AMX; at most

@@ -1,6 +1,6 @@
 // The fused step's float kernels on the AVX512 paths (16-float vectors, FMAs): RMSNorm,
 // SiLU * up, residual adds and attention over a float32 KV cache (step_kernels.h). The
-// bfloat16-cache attention is in ../attention/x86_avx512_bf16.cpp and ../amx/attention.cpp.
+// bfloat16-cache attention is in attention/x86_avx512_bf16.cpp and amx/attention.cpp.
 #include "common/head_dim.h"
 #include "common/simd_avx512.h"
 #include "step/step_kernels.h"
@@ -42,17 +42,13 @@ QUASAR_AVX512 void rms_norm(const float* x, int64_t rows, int64_t n, const float
 // Each query's arithmetic (its scores, exp-sum and the two accumulation chains of its
 // output) is the same whatever the other queries are: grouping never changes a bit.
 // Scratch: `scores` nq * stride floats (stride >= max n), `acc` nq * 32C floats.
+// attend_group's phases (forced inline: one function as before).
+// Scores = q . k * scale, 16 keys at a time; vmax: each query's running lane max.
 template <int C, bool Paths>
-QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, const KeyMap& keys,
-                                float* const* outs, int64_t nq, const float* k, const float* v, float scale,
-                                float* scores, int64_t stride, float* acc) {
+QUASAR_AVX512_INLINE void f32_scores(const float* const* qs, const int64_t* ns, const KeyMap& keys, int64_t nq,
+                                     int64_t n_max, const float* k, float scale, float* scores, int64_t stride,
+                                     float* vmax) {
   constexpr int64_t d = 16 * C;
-  int64_t n_max = 0;
-  for (int64_t i = 0; i < nq; ++i) n_max = std::max(n_max, ns[i]);
-  alignas(64) float vmax[kMaxGroupQueries * 16];
-  for (int64_t i = 0; i < nq; ++i)
-    _mm512_store_ps(vmax + 16 * i, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
-  // scores = q . k * scale, 16 keys at a time
   for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t cnt = std::min<int64_t>(16, ns[i] - j0);
@@ -76,8 +72,11 @@ QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, const
                                                         _mm512_load_ps(vmax + 16 * i), sc));
     }
   }
-  // softmax numerators in place; 1 / their sum per query
-  alignas(64) float inv[kMaxGroupQueries];
+}
+
+// Softmax numerators in place; 1 / their sum per query into inv.
+QUASAR_AVX512_INLINE void f32_softmax(const int64_t* ns, int64_t nq, float* scores, int64_t stride,
+                                      const float* vmax, float* inv) {
   for (int64_t i = 0; i < nq; ++i) {
     float* s = scores + i * stride;
     const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_load_ps(vmax + 16 * i)));
@@ -90,8 +89,14 @@ QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, const
     }
     inv[i] = 1.0f / _mm512_reduce_add_ps(vsum);
   }
-  // out = sum_j e_j v_j: even keys into one accumulator, odd keys into another (two
-  // independent FMA chains), kept in `acc` between 16-key chunks of V.
+}
+
+// out = sum_j e_j v_j: even keys into one accumulator, odd keys into another (two
+// independent FMA chains), kept in `acc` between 16-key chunks of V.
+template <int C, bool Paths>
+QUASAR_AVX512_INLINE void f32_values(const int64_t* ns, const KeyMap& keys, int64_t nq, int64_t n_max,
+                                     const float* v, const float* scores, int64_t stride, float* acc) {
+  constexpr int64_t d = 16 * C;
   std::fill_n(acc, nq * 2 * d, 0.0f);
   for (int64_t j0 = 0; j0 < n_max; j0 += 16) {
     for (int64_t i = 0; i < nq; ++i) {
@@ -126,6 +131,22 @@ QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, const
       }
     }
   }
+}
+
+template <int C, bool Paths>
+QUASAR_AVX512 void attend_group(const float* const* qs, const int64_t* ns, const KeyMap& keys,
+                                float* const* outs, int64_t nq, const float* k, const float* v, float scale,
+                                float* scores, int64_t stride, float* acc) {
+  constexpr int64_t d = 16 * C;
+  int64_t n_max = 0;
+  for (int64_t i = 0; i < nq; ++i) n_max = std::max(n_max, ns[i]);
+  alignas(64) float vmax[kMaxGroupQueries * 16];
+  for (int64_t i = 0; i < nq; ++i)
+    _mm512_store_ps(vmax + 16 * i, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+  f32_scores<C, Paths>(qs, ns, keys, nq, n_max, k, scale, scores, stride, vmax);
+  alignas(64) float inv[kMaxGroupQueries];
+  f32_softmax(ns, nq, scores, stride, vmax, inv);
+  f32_values<C, Paths>(ns, keys, nq, n_max, v, scores, stride, acc);
   for (int64_t i = 0; i < nq; ++i) {
     const float* ai = acc + i * 2 * d;
     for (int c = 0; c < C; ++c)
