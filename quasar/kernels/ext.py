@@ -17,9 +17,13 @@ processes that start meanwhile wait on the lock and then load the finished libra
 killed builder releases the lock with its process and leaves no partial library behind.
 
 Kernel paths (``csrc/common/cpu_features.h``): ``portable`` (plain C++, any CPU), ``avx2``,
-``avx-vnni``, ``avx512-vnni`` and ``amx``; the op runs the highest one the CPU has, or the
-highest at or below ``QUASAR_ISA`` (so a test or a benchmark can force a lower path on a
-CPU with a higher one). Every path computes the same exact int32 sums, so the int8 GEMMs
+``avx-vnni``, ``avx512-vnni`` and ``amx``. The path is an argument of each op whose result or
+speed depends on it (``path``, last; csrc/bindings.cpp), handed down to every kernel the op
+calls; "" (what the modules pass) means the process default: the highest path the CPU has,
+or the highest at or below ``QUASAR_ISA``, which :func:`_load` passes to the library once.
+So the environment only sets the default; :func:`forced_kernel_path` moves it for a block
+(a whole model on a lower path), and a test or benchmark can pass ``path=`` to compare paths
+call by call in one process. Every path computes the same exact int32 sums, so the int8 GEMMs
 give the same bits on all of them; the fused decoder step's float kernels (norms,
 attention) have one order on the AVX512 paths and another, shared, on avx2 / avx-vnni /
 portable. :func:`kernel_path` names the path that runs ("pytorch" without the op).
@@ -67,7 +71,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from quasar.errors import QuasarError
 from quasar.paths import cache_dir
+
+try:
+    import fcntl  # POSIX file locks, for the build
+except ImportError:  # not POSIX: the build is refused (see _load_or_build)
+    fcntl = None
 
 __all__ = [
     "ENV_DISABLE",
@@ -168,8 +178,6 @@ def requested_kernel_path() -> str | None:
     aliases = {"avx512": "avx512-vnni", "avx512vnni": "avx512-vnni", "avxvnni": "avx-vnni", "scalar": "portable"}
     value = aliases.get(value, value)
     if value not in KERNEL_PATHS:
-        from quasar.errors import QuasarError
-
         raise QuasarError(f"{ENV_ISA} must be one of {', '.join(KERNEL_PATHS)}; got {os.environ[ENV_ISA]!r}")
     return value
 
@@ -194,9 +202,10 @@ def cpu_runs(path: str) -> bool:
 
 @contextlib.contextmanager
 def forced_kernel_path(path: str) -> Iterator[str]:
-    """Run the ops on ``path`` (the highest path at or below it this CPU runs) inside the
-    block, for tests and benchmarks; yields the path that runs. Models set up inside (their KV
-    cache dtype, their fused-step plan) belong to it: build them inside the block."""
+    """Make ``path`` (the highest path at or below it this CPU runs) the ops' default inside
+    the block, for tests and benchmarks; yields the path that runs. Models set up inside (their
+    KV cache dtype, their fused-step plan) belong to it: build them inside the block. One op
+    call on another path needs no block: pass it ``path=``."""
     if path not in KERNEL_PATHS:
         raise ValueError(f"unknown kernel path {path!r}")
     if int8_linear_op() is None:
@@ -429,10 +438,8 @@ def _load_or_build(so: Path) -> str:
     if so.is_file():
         torch.ops.load_library(str(so))
         return "cache"
-    if os.name != "posix":
+    if os.name != "posix" or fcntl is None:
         raise RuntimeError("building the extension needs POSIX file locks")
-    import fcntl
-
     so.parent.mkdir(parents=True, exist_ok=True)
     with open(so.parent / "lock", "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released on close or process exit
@@ -471,7 +478,7 @@ def _toolchain_path() -> str:
     if shutil.which("ninja") is None:
         dirs = [str(Path(sys.executable).parent)]  # a venv's bin, even when not activated
         try:
-            import ninja  # the PyPI wheel ships the binary
+            import ninja  # lazy: optional (the PyPI wheel ships the binary), only needed to build
 
             dirs.append(str(ninja.BIN_DIR))
         except Exception:
@@ -485,7 +492,7 @@ def _toolchain_path() -> str:
 
 def _build(build_directory: Path, env_path: str) -> None:
     """Compile and load the library in ``build_directory``; output is captured, not shown."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # lazy: slow to import, only needed on a cache miss
 
     ext_log = logging.getLogger("torch.utils.cpp_extension")
     level, old_path = ext_log.level, os.environ.get("PATH")
@@ -527,7 +534,8 @@ def _unit_files(build_directory: Path) -> list[Path]:
 
 def _self_check(op: Callable[..., torch.Tensor]) -> None:
     """The op must reproduce the PyTorch path bit for bit (e.g. no FMA contraction)."""
-    from quasar.runtime.w8a8_numerics import quantize_activation, reference_mm, scale_output
+    from quasar.runtime.w8a8_numerics import (  # lazy: runtime sits above kernels; its reference, checked once
+        quantize_activation, reference_mm, scale_output)
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randint(-128, 128, (19, 131), generator=gen, dtype=torch.int8)
@@ -580,7 +588,7 @@ def _w4_mismatch(path: str) -> str:
     """The first case where ``path``'s W4A8 kernel differs from the reference ("" if none):
     padded vectors, every group size, row counts that cut each kernel's row passes, the
     extremes (nibbles 15, activations at +-127), with and without bias."""
-    from quasar.runtime.w4a8_numerics import reference_linear_w4a8
+    from quasar.runtime.w4a8_numerics import reference_linear_w4a8  # lazy: runtime sits above kernels; checked once
 
     gen = torch.Generator().manual_seed(34)
     for n, k, group in ((19, 96, 32), (21, 128, 64), (16, 256, 128)):

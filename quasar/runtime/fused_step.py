@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
+from quasar.kernels import ext
 from quasar.runtime import step_cost
 from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.w4a8 import W4A8Linear
@@ -87,8 +88,6 @@ class FusedW8A8Step:
         cfg, p = self.model.config, self._plan
         costs = self.model.step_costs
         if costs is not None and costs.prefetch_whole is not None:  # this model's measured way
-            from quasar.kernels import ext
-
             ext.prefetch_whole_stream(costs.prefetch_whole)
         starts = [rows.starts[s] for s in rows.slots]
         return self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, p.norms,
@@ -104,8 +103,6 @@ class FusedW8A8Step:
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
         self._plan, self._watch = None, ((), (), ())
-        from quasar.kernels import ext
-
         self._op = ext.decoder_layer_op()
         if self._op is None:
             return False
@@ -217,8 +214,6 @@ ENV_KV_DTYPE = "QUASAR_KV_DTYPE"  # "fp32" keeps a float32 KV cache (for compari
 def _bf16_attention(model: nn.Module) -> bool:
     """Whether the op attends over a bf16 cache for this model here (AVX512-BF16, a head_dim
     that is a multiple of 32)."""
-    from quasar.kernels import ext
-
     return ext.bf16_kv_supported() and model.config.head_dim in _HEAD_DIMS and model.config.head_dim % 32 == 0
 
 
@@ -238,8 +233,6 @@ def install(model: nn.Module) -> None:
     """Give a W8A8 or W4A8 ``Transformer`` the fused step (it checks applicability when called), its
     KV cache dtype, the one-pass argmax / top-k of its logits rows, and the prior row cost,
     pass rows and key cost of quasar.runtime.step_cost (LLM measures the row cost and pass rows)."""
-    from quasar.kernels import ext
-
     model.step_kernel = FusedW8A8Step(model)
     model.kv_dtype = kv_cache_dtype(model)
     model.select_kernel = ext.row_argmax_topk_op()

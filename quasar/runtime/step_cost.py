@@ -38,8 +38,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quasar.defaults import DEFAULT_ROW_COST
 from quasar.fileio import write_atomic
+from quasar.kernels import ext
+from quasar.models.rows import Rows
 from quasar.paths import cache_dir
+from quasar.runtime.w4a8 import W4A8Linear
+from quasar.runtime.w4a8_numerics import w4_weight_bytes
 from quasar.runtime.w8a8 import Int8Linear
 
 __all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "install_measured", "key_cost", "measure", "prior_pass_rows",
@@ -89,9 +94,6 @@ VNNI_PASS_ROWS = 6
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s quantized weights, what a step streams: every Int8Linear's in x out,
     every W4A8Linear's in x out / 2 and its groups' scales and offsets (float16)."""
-    from quasar.runtime.w4a8 import W4A8Linear
-    from quasar.runtime.w4a8_numerics import w4_weight_bytes
-
     total = 0
     for m in model.modules():
         if not getattr(m, "streamed", True):  # read a few rows a step (a RefinedHead's int8 head)
@@ -107,9 +109,6 @@ def prior_row_cost(model: nn.Module | None = None) -> float:
     """What one more row costs a fused W8A8 step of `model` on this kernel path before it is
     measured (Transformer.row_cost), as a fraction of a one-row step: the path's cost on the
     default model, scaled down as sqrt(135 MB / the model's weight bytes) (at most 4x)."""
-    from quasar.defaults import DEFAULT_ROW_COST
-    from quasar.kernels import ext
-
     path = ext.kernel_path()
     if path == "amx":
         base = AMX_ROW_COST
@@ -128,8 +127,6 @@ def prior_row_cost(model: nn.Module | None = None) -> float:
 def prior_pass_rows() -> int | None:
     """Rows a fused W8A8 step takes in one pass over its weights on this kernel path before it
     is measured (None without the C++ op)."""
-    from quasar.kernels import ext
-
     if ext.amx_supported():
         return AMX_PASS_ROWS
     return VNNI_PASS_ROWS if ext.small_m_supported() else None
@@ -181,8 +178,6 @@ class StepCosts:
 
 
 def _cache_key(model: nn.Module, path: str) -> str:
-    from quasar.kernels import ext
-
     cfg = model.config
     parts = (_VERSION, path, ext.build_dir().name, torch.get_num_threads(), cfg.hidden_size, cfg.num_layers,
              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, str(model.kv_dtype),
@@ -195,9 +190,6 @@ def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], 
     its own (the model's cache is put back). choose_prefetch: one-row steps are timed with the
     whole stream prefetched and with only its starts, in turn, and the faster way is returned
     with its time (else None and the current way's)."""
-    from quasar.models.rows import Rows
-    from quasar.kernels import ext
-
     saved, saved_prefetch, saved_costs = model.cache, ext.prefetch_whole_stream(), model.step_costs
     model.cache = None
     model.step_costs = None  # else the fused step would set its earlier choice over the probe's
@@ -229,12 +221,8 @@ def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], 
 def measure(model: nn.Module) -> StepCosts | None:
     """The step costs of W8A8 `model` on the active kernel path (cached), or None when its
     steps do not run fused (no C++ op, not an int8 model)."""
-    from quasar.kernels import ext
-
     if getattr(model, "step_kernel", None) is None or ext.decoder_layer_op() is None:
         return None
-    from quasar.runtime.w4a8 import W4A8Linear
-
     path = ext.kernel_path()
     # every path's W4A8 kernels have the choice, the AVX2 / AVX-VNNI int8 ones too
     choose_prefetch = path in PREFETCH_CHOICE_PATHS or (
@@ -263,8 +251,6 @@ def _plausible(seconds: tuple[float, ...]) -> bool:
 
 def install_measured(model: nn.Module) -> StepCosts | None:
     """Set `model`'s row cost and pass rows from its measured step costs (None: unchanged)."""
-    from quasar.kernels import ext
-
     costs = measure(model)
     if costs is not None:
         model.row_cost, model.pass_rows = costs.row_cost, costs.pass_rows
@@ -277,8 +263,6 @@ def install_measured(model: nn.Module) -> StepCosts | None:
 def current(model: nn.Module) -> StepCosts | None:
     """`model`'s step costs on the kernel path active now: measured again (from the cache,
     usually) when the path changed since they were measured (QUASAR_ISA in tests, AMX off)."""
-    from quasar.kernels import ext
-
     costs = model.step_costs
     if costs is None or costs.kernel_path != ext.kernel_path():
         costs = install_measured(model)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
+from quasar.kernels import ext
 from quasar.runtime.w4a8_numerics import (GROUP_SIZES, SCALE_DTYPE, as_group_params, dequantize_w4, n_groups,
                                         pack_int4, quantize_weight_w4, reference_linear_w4a8, symmetric_as_affine,
                                         unpack_int4)
@@ -67,8 +68,6 @@ class W4A8Linear(nn.Module):
         """The C++ op and this weight in its layout (packed on first use, kept while the
         buffers stay the same tensors), or None without the op or for ragged groups. The
         fused decoder step streams the same packing."""
-        from quasar.kernels import ext
-
         op = ext.w4a8_linear_op() if self.in_features % self.group == 0 else None  # the op takes whole groups
         if op is None:
             return None

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from quasar.errors import QuasarError
+from quasar.runtime.w8a8_numerics import quantize_activation
 
 GROUP_SIZES = (32, 64, 128)  # the candidates issue #34 names; chosen by measuring
 W4A8_GROUP = 32  # the verifier's: GGUF's 4-bit blocks hold groups of 32, float models use the same
@@ -210,8 +211,6 @@ def quantize_activation_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     columns (the last group's range from its real columns): q int8 [M, K] and float32
     scales [M, n_groups(K, group)]. The same rounding as numerics.quantize_activation
     (scale amax / 127, floored; q = round(x / scale), ties to even) on each group."""
-    from quasar.runtime.w8a8_numerics import quantize_activation
-
     _check_group(group)
     if x.dim() != 2:
         raise QuasarError(f"quantize_activation_groups expects a 2-D tensor, got {x.dim()}-D")

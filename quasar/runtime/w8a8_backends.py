@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from quasar.kernels import ext
 from quasar.runtime.w8a8_numerics import MAX_IN_FEATURES, reference_mm
 
 __all__ = [
@@ -164,8 +165,6 @@ class CpuPacked(NamedTuple):
 def cpu_pack(weight: Tensor) -> CpuPacked:
     k = weight.shape[1]
     one, many = _pick(True, k), _pick(False, k)
-    from quasar.kernels import ext
-
     # Steps of up to 16 rows read only the tiles, and longer ones are rare (the fused step's
     # GEMMs, prefill chunks included, read only the tiles too): the OS may drop the row-major
     # copy's pages (a memory-mapped checkpoint's come back from the file if oneDNN reads
@@ -198,8 +197,6 @@ def cpu_fused(packed: CpuPacked) -> tuple | None:
     one, many, _, comp, tiles = packed
     if tiles is None:
         return None
-    from quasar.kernels import ext
-
     op = ext.int8_linear_op()
     if op is None:
         return None

@@ -1,5 +1,8 @@
 // The library's one op registration: every op's schema, under the quasar_quant namespace
-// (quasar/kernels/ext.py calls them as torch.ops.quasar_quant.<name>).
+// (quasar/kernels/ext.py calls them as torch.ops.quasar_quant.<name>). An op whose result or
+// speed depends on the kernel path takes it last, `str path=""` ("": the process default,
+// kernel_path; cpu_features.h), so a test or a benchmark can run any path the CPU has in one
+// process.
 #include "ops.h"
 
 #include <torch/library.h>
@@ -13,7 +16,7 @@ TORCH_LIBRARY(quasar_quant, m) {
   // the W8A8 linear and the int8 GEMM's settings
   m.def(
       "int8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, Tensor? comp, "
-      "bool u8_single, bool u8_multi, Tensor? tiles=None, int act_bits=8) -> Tensor");
+      "bool u8_single, bool u8_multi, Tensor? tiles=None, int act_bits=8, str path=\"\") -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
   m.def("int8_pack_tiles(Tensor weight, bool release_source=False) -> Tensor", &int8_pack_tiles);
   m.def("release_pages(Tensor t) -> bool", &release_pages);
@@ -31,17 +34,19 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.def("w4a8_kernel_path(str disable=\"\") -> str", &w4a8_kernel_path);
 
   // the fused decoder step
-  m.def("w8a8_bf16_supported() -> bool", &w8a8_bf16_supported);
-  m.def("w8a8_amx_attention_supported() -> bool", &w8a8_amx_attention_supported);
+  m.def("w8a8_bf16_supported(str path=\"\") -> bool", &w8a8_bf16_supported);
+  m.def("w8a8_amx_attention_supported(str path=\"\") -> bool", &w8a8_amx_attention_supported);
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor?[] weights, Tensor?[] tiles, "
       "Tensor?[] scales, Tensor?[] biases, Tensor?[] comps, int[] act_bits, Tensor?[] w4, int[] w4_groups, "
-      "int n_heads, int n_kv_heads, bool prefill=False) -> Tensor");
+      "int n_heads, int n_kv_heads, bool prefill=False, str path=\"\") -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 
   // a step's logits
-  m.def("row_argmax_topk(Tensor logits, int k) -> (Tensor, Tensor)", &row_argmax_topk);
-  m.def("refine_head_rows(Tensor(a!) logits, Tensor qx, Tensor sx, Tensor weight, Tensor weight_scale, int top_k) -> ()",
-        &refine_head_rows);
+  m.def("row_argmax_topk(Tensor logits, int k, str path=\"\") -> (Tensor, Tensor)", &row_argmax_topk);
+  m.def(
+      "refine_head_rows(Tensor(a!) logits, Tensor qx, Tensor sx, Tensor weight, Tensor weight_scale, int top_k, "
+      "str path=\"\") -> ()",
+      &refine_head_rows);
 }

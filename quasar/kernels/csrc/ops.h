@@ -19,7 +19,8 @@ int64_t parallel_threads();
 // gemm_w8a8/linear_op.cpp: the W8A8 linear and the int8 GEMM's settings
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& comp, bool u8_single,
-                       bool u8_multi, const std::optional<at::Tensor>& tiles, int64_t act_bits);
+                       bool u8_multi, const std::optional<at::Tensor>& tiles, int64_t act_bits,
+                       const std::string& path);
 at::Tensor int8_pack_tiles(const at::Tensor& weight, bool release_source);
 bool release_pages(const at::Tensor& t);
 int64_t int8_small_m_max(int64_t max_m);
@@ -45,11 +46,11 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                const c10::List<std::optional<at::Tensor>>& biases,
                                const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
                                const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups,
-                               int64_t n_heads, int64_t n_kv_heads, bool prefill);
-bool w8a8_bf16_supported();
-bool w8a8_amx_attention_supported();
+                               int64_t n_heads, int64_t n_kv_heads, bool prefill, const std::string& path);
+bool w8a8_bf16_supported(const std::string& path);
+bool w8a8_amx_attention_supported(const std::string& path);
 
 // head/: a step's logits
-std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int64_t k);
+std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int64_t k, const std::string& path);
 void refine_head_rows(at::Tensor logits, const at::Tensor& qx, const at::Tensor& sx, const at::Tensor& weight,
-                      const at::Tensor& weight_scale, int64_t top_k);
+                      const at::Tensor& weight_scale, int64_t top_k, const std::string& path);

@@ -432,14 +432,14 @@ struct AmxPrefill {
   }
 };
 
-bool amx_bf16_supported_here() {
+bool amx_bf16_supported_here(KernelPath path) {
   static const bool ok = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16");
-  return ok && quasar::amx_enabled();
+  return ok && amx_enabled(path);
 }
 
 }  // namespace
 
-bool amx_bf16_supported() { return amx_bf16_supported_here(); }
+bool amx_bf16_supported(KernelPath path) { return amx_bf16_supported_here(path); }
 AttendAmxFn attend_amx(int64_t d, bool paths) {
   return paths ? for_head_dim<AmxAttention<true>::Kernel>(d) : for_head_dim<AmxAttention<false>::Kernel>(d);
 }
@@ -447,7 +447,7 @@ std::pair<AttendPrefillFn, PrefillOperandsFn> attend_prefill(int64_t d) { return
 
 #else  // no AMX tiles here
 
-bool amx_bf16_supported() { return false; }
+bool amx_bf16_supported(KernelPath) { return false; }
 
 #endif
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "common/cpu_features.h"
 #include "step/step_kernels.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
@@ -42,8 +43,9 @@ inline int64_t block_ends(const int64_t* ns, const KeyMap& keys, int64_t nq, int
   return n_max;
 }
 
-// Whether the fused step takes a bfloat16 KV cache: AVX512-BF16 on an AVX512 kernel path.
-bool bf16_supported();
+// Whether the fused step takes a bfloat16 KV cache with these kernels on kernel path `path`:
+// AVX512-BF16 on an AVX512 path.
+bool bf16_supported(KernelPath path);
 
 // n floats (a multiple of 16) as bfloat16, round to nearest even (bf16_supported() only).
 void store_bf16(const float* x, int64_t n, uint16_t* out);
@@ -59,8 +61,8 @@ AttendBf16Fn attend_bf16(int64_t d, bool paths);
 // A query's output from its blocks' partial results (nb blocks of d + 2 floats at `parts`).
 void combine_blocks(const float* parts, int64_t nb, int64_t d, float* out);
 
-// Whether verifier steps and prompt chunks attend with AMX-BF16 tiles here.
-bool amx_bf16_supported();
+// Whether verifier steps and prompt chunks attend with AMX-BF16 tiles on kernel path `path`.
+bool amx_bf16_supported(KernelPath path);
 
 #ifdef QUASAR_AMX_ATTENTION
 // The AMX-BF16 step kernel (attend_bf16's contract; `ops`: scratch for one block's operands)

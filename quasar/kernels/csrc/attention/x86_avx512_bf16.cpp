@@ -239,14 +239,14 @@ struct Bf16Attention {
 };
 
 // A bf16 KV cache: on the AVX512 paths of a CPU with AVX512-BF16.
-bool bf16_supported_here() {
+bool bf16_supported_here(KernelPath path) {
   static const bool ok = __builtin_cpu_supports("avx512bf16");
-  return ok && quasar::path_at_least(quasar::KernelPath::kAvx512Vnni);
+  return ok && path_at_least(path, KernelPath::kAvx512Vnni);
 }
 
 }  // namespace
 
-bool bf16_supported() { return bf16_supported_here(); }
+bool bf16_supported(KernelPath path) { return bf16_supported_here(path); }
 void store_bf16(const float* x, int64_t n, uint16_t* out) { to_bf16(x, n, out); }
 AttendBf16Fn attend_bf16(int64_t d, bool paths) {
   return paths ? for_head_dim<Bf16Attention<true>::Kernel>(d) : for_head_dim<Bf16Attention<false>::Kernel>(d);
@@ -255,7 +255,7 @@ void combine_blocks(const float* parts, int64_t nb, int64_t d, float* out) { com
 
 #else  // not x86: no bf16 cache
 
-bool bf16_supported() { return false; }
+bool bf16_supported(KernelPath) { return false; }
 void store_bf16(const float*, int64_t, uint16_t*) {}
 AttendBf16Fn attend_bf16(int64_t, bool) { return nullptr; }
 void combine_blocks(const float*, int64_t, int64_t, float*) {}

@@ -86,6 +86,14 @@ bool parse_kernel_path(const char* name, KernelPath* out) {
   return false;
 }
 
+bool resolve_kernel_path(const char* name, KernelPath* out) {
+  if (name[0] == '\0') {
+    *out = kernel_path();
+    return true;
+  }
+  return parse_kernel_path(name, out) && cpu_runs(*out);
+}
+
 bool cpu_runs(KernelPath p) { return supported().by_path[static_cast<int>(p)]; }
 
 KernelPath kernel_path() {

@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -81,12 +82,22 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t d) {
   }
 }
 
-// The float kernels of the active kernel path (step_kernels.h).
-const quasar::step::FloatKernels& float_kernels() {
-  using quasar::KernelPath;
-  if (quasar::path_at_least(KernelPath::kAvx512Vnni)) return quasar::step::float_kernels_avx512();
-  if (quasar::path_at_least(KernelPath::kAvx2)) return quasar::step::float_kernels_avx2();
+using quasar::KernelPath;
+
+// The float kernels of kernel path `path` (step_kernels.h).
+const quasar::step::FloatKernels& float_kernels(KernelPath path) {
+  if (quasar::path_at_least(path, KernelPath::kAvx512Vnni)) return quasar::step::float_kernels_avx512();
+  if (quasar::path_at_least(path, KernelPath::kAvx2)) return quasar::step::float_kernels_avx2();
   return quasar::step::float_kernels_portable();
+}
+
+// The kernel path an op named `op` runs: `name`, or the process default for "" (throws for
+// an unknown name or a path this CPU does not run).
+KernelPath op_kernel_path(const std::string& name, const char* op) {
+  KernelPath path;
+  TORCH_CHECK(quasar::resolve_kernel_path(name.c_str(), &path), op, ": unknown kernel path '", name,
+              "' or one this CPU does not run");
+  return path;
 }
 
 const float* float_data(const at::Tensor& t, int64_t numel, const char* what) {
@@ -107,7 +118,7 @@ __m512i* aligned_vectors(std::vector<uint8_t>& raw, int64_t vectors) {
 // The shapes and list lengths of the op's arguments (see w8a8_decoder_layers); throws.
 void check_step_args(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache, at::IntArrayRef slots,
                      at::IntArrayRef starts, at::IntArrayRef parents, int64_t n_norms, int64_t n_linears,
-                     int64_t n_heads, int64_t n_kv_heads) {
+                     int64_t n_heads, int64_t n_kv_heads, KernelPath path) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
   const int64_t T = x.size(1);
@@ -119,7 +130,7 @@ void check_step_args(const at::Tensor& x, const at::Tensor& k_cache, const at::T
               "w8a8_decoder_layers: caches must be contiguous float32 or bfloat16 [L, slots, KVH, S, D]");
   // A bfloat16 cache is attended with AVX512-BF16 products (attention.h) on the AVX512
   // paths, and widened to float32 by the 8-float kernels (attend_b16) below them.
-  TORCH_CHECK(!bf16 || float_kernels().attend_b16 != nullptr || quasar::step::bf16_supported(),
+  TORCH_CHECK(!bf16 || float_kernels(path).attend_b16 != nullptr || quasar::step::bf16_supported(path),
               "w8a8_decoder_layers: a bfloat16 cache needs an AVX512-BF16 CPU on an AVX512 kernel path");
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
               "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
@@ -199,24 +210,24 @@ struct AttentionKernels {
 };
 
 AttentionKernels attention_kernels(const quasar::step::FloatKernels& fk, bool bf16, int64_t D, const StepRows& rows,
-                                   bool prefill) {
+                                   bool prefill, KernelPath path) {
   AttentionKernels k;
   const bool widened_bf16 = bf16 && fk.attend_b16 != nullptr, paths = !rows.is_chain;
   k.attend = fk.attend(D, paths);
   k.attend_b16 = widened_bf16 ? fk.attend_b16(D, paths) : nullptr;
   k.attend_bf16 = bf16 && !widened_bf16 ? quasar::step::attend_bf16(D, paths) : nullptr;
 #ifdef QUASAR_AMX_ATTENTION
-  if (k.attend_bf16 && quasar::step::amx_bf16_supported()) k.attend_amx = quasar::step::attend_amx(D, paths);
+  if (k.attend_bf16 && quasar::step::amx_bf16_supported(path)) k.attend_amx = quasar::step::attend_amx(D, paths);
 #endif
   TORCH_CHECK(k.attend != nullptr, "w8a8_decoder_layers: head_dim must be 16, 32, 48, 64, 80, 96, 128 or 256");
   TORCH_CHECK(!bf16 || k.attend_bf16 != nullptr || k.attend_b16 != nullptr,
               "w8a8_decoder_layers: a bfloat16 cache needs head_dim 32, 64, 96, 128 or 256");
 #ifdef QUASAR_AMX_ATTENTION
-  if (prefill && k.attend_bf16 && rows.is_chain && rows.groups.size() == 1 && quasar::step::amx_bf16_supported())
+  if (prefill && k.attend_bf16 && rows.is_chain && rows.groups.size() == 1 && quasar::step::amx_bf16_supported(path))
     std::tie(k.attend_prefill, k.prefill_operands) = quasar::step::attend_prefill(D);
   k.prefill_tiles = k.attend_prefill != nullptr;
 #else
-  (void)prefill;
+  (void)prefill, (void)path;
 #endif
   return k;
 }
@@ -258,7 +269,7 @@ class DecoderStep {
  public:
   DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
               at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents,
-              double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill);
+              double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill, KernelPath path);
   // Per layer: its norms and its linears (step_linears.h), all checked here, before the
   // parallel region (nothing in it may throw); then the buffers they write.
   void plan_layers(const TensorList& norms, const TensorList& weights, const TensorList& tiles,
@@ -285,7 +296,8 @@ class DecoderStep {
   bool bf16_;
   float *k_f32_, *v_f32_;
   uint16_t *k_b16_, *v_b16_;
-  // the kernels and the rows
+  // the kernel path, its kernels and the rows
+  KernelPath path_;
   const quasar::step::FloatKernels& fk_;
   StepRows rows_;
   AttentionKernels kern_;
@@ -319,7 +331,7 @@ class DecoderStep {
 
 DecoderStep::DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents,
-                         double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill)
+                         double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill, KernelPath path)
     : x_(x),
       slots_(slots),
       T_(x.size(1)),
@@ -337,9 +349,10 @@ DecoderStep::DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::T
       feps_(static_cast<float>(eps)),
       scale_(1.0f / std::sqrt(static_cast<float>(D_))),
       bf16_(k_cache.scalar_type() == at::kBFloat16),
-      fk_(float_kernels()),
+      path_(path),
+      fk_(float_kernels(path)),
       rows_(plan_rows(slots, starts, parents, n_slots_, S_)),
-      kern_(attention_kernels(fk_, bf16_, D_, rows_, prefill)) {
+      kern_(attention_kernels(fk_, bf16_, D_, rows_, prefill, path)) {
   stride_ = (rows_.max_keys + 31) / 32 * 32;  // of the score rows (32-key tiles in prefill)
   cs_ = float_data(cos, T_ * D_, "cos");
   sn_ = float_data(sin, T_ * D_, "sin");
@@ -406,10 +419,10 @@ void DecoderStep::plan_layers(const TensorList& norms, const TensorList& weights
   gemms_.reserve(4 * L_);
   for (int64_t l = 0; l < L_; ++l) {
     const quasar::LayerLinears& g = linears_[l];
-    gemms_.emplace_back(g.qkv, *acts_, T_, proj_.data(), nqkv_);
-    gemms_.emplace_back(g.o, *acts_, T_, proj_.data(), H_);
-    gemms_.emplace_back(g.gate_up, *acts_, T_, gu_.data(), 2 * g.inter);
-    gemms_.emplace_back(g.down, *acts_, T_, proj_.data(), H_);
+    gemms_.emplace_back(g.qkv, *acts_, T_, proj_.data(), nqkv_, path_);
+    gemms_.emplace_back(g.o, *acts_, T_, proj_.data(), H_, path_);
+    gemms_.emplace_back(g.gate_up, *acts_, T_, gu_.data(), 2 * g.inter, path_);
+    gemms_.emplace_back(g.down, *acts_, T_, proj_.data(), H_, path_);
   }
 }
 
@@ -600,14 +613,15 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
 // which the GEMMs read), scale, comp (128 * rowsum(weight), int32 [N]) and act_bits (8, or
 // 15 for split 15-bit activations as in Int8Linear); a W4A8Linear has w4_groups = its group
 // size, w4 = its weight packed by w4_pack, and None for the int8 ones; either may have a
-// bias.
+// bias. path: the kernel path ("" for the process default; cpu_features.h).
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef slots,
                                at::IntArrayRef starts, at::IntArrayRef parents, const TensorList& norms, double eps,
                                const TensorList& weights, const TensorList& tiles, const TensorList& scales,
                                const TensorList& biases, const TensorList& comps, at::IntArrayRef act_bits,
                                const TensorList& w4, at::IntArrayRef w4_groups, int64_t n_heads, int64_t n_kv_heads,
-                               bool prefill) {
+                               bool prefill, const std::string& path) {
+  const KernelPath kernel_path = op_kernel_path(path, "w8a8_decoder_layers");
   const int64_t n_linears = static_cast<int64_t>(weights.size());
   const bool same_lengths = static_cast<int64_t>(tiles.size()) == n_linears &&
                             static_cast<int64_t>(scales.size()) == n_linears &&
@@ -617,18 +631,24 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                             static_cast<int64_t>(w4.size()) == n_linears &&
                             static_cast<int64_t>(w4_groups.size()) == n_linears;
   check_step_args(x, k_cache, v_cache, slots, starts, parents, static_cast<int64_t>(norms.size()),
-                  same_lengths ? n_linears : -1, n_heads, n_kv_heads);
-  DecoderStep step(x, cos, sin, k_cache, v_cache, slots, starts, parents, eps, n_heads, n_kv_heads, prefill);
+                  same_lengths ? n_linears : -1, n_heads, n_kv_heads, kernel_path);
+  DecoderStep step(x, cos, sin, k_cache, v_cache, slots, starts, parents, eps, n_heads, n_kv_heads, prefill,
+                   kernel_path);
   step.plan_layers(norms, weights, tiles, scales, biases, comps, act_bits, w4, w4_groups);
   return step.run();
 }
 
-// Whether w8a8_decoder_layers takes a bfloat16 KV cache here: AVX512-BF16 on the AVX512
-// paths, widened to float32 by the 8-float kernels below them.
-bool w8a8_bf16_supported() { return float_kernels().attend_b16 != nullptr || quasar::step::bf16_supported(); }
+// Whether w8a8_decoder_layers takes a bfloat16 KV cache on kernel path `path` ("": the
+// default): AVX512-BF16 on the AVX512 paths, widened to float32 by the 8-float kernels below
+// them.
+bool w8a8_bf16_supported(const std::string& path) {
+  const KernelPath p = op_kernel_path(path, "w8a8_bf16_supported");
+  return float_kernels(p).attend_b16 != nullptr || quasar::step::bf16_supported(p);
+}
 
 // Whether attention over a bfloat16 cache (prompt chunks and verifier steps) uses AMX-BF16
-// tiles here.
-bool w8a8_amx_attention_supported() {
-  return quasar::step::bf16_supported() && quasar::step::amx_bf16_supported();
+// tiles on kernel path `path` ("": the default).
+bool w8a8_amx_attention_supported(const std::string& path) {
+  const KernelPath p = op_kernel_path(path, "w8a8_amx_attention_supported");
+  return quasar::step::bf16_supported(p) && quasar::step::amx_bf16_supported(p);
 }

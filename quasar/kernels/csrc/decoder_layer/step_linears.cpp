@@ -101,13 +101,13 @@ StepActs::StepActs(int64_t M, int64_t k_max)
     : q(M * padded_k(k_max)), q_lo(M * padded_k(k_max)), sx(M), w4q(M * k_max), w4sx(M * (k_max / 32 + 1)),
       w4xs(M * (k_max / 32 + 1)) {}
 
-StepGemm::StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride)
-    : in_(&in), acts_(&acts), M_(M), y_(y), y_stride_(y_stride) {
+StepGemm::StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride, KernelPath path)
+    : in_(&in), acts_(&acts), M_(M), y_(y), y_stride_(y_stride), path_(path) {
   if (in.n_i8)
     i8_.emplace(acts.q.data(), in.act_bits == 15 ? acts.q_lo.data() : nullptr, M, in.k, in.i8, in.n_i8,
-                acts.sx.data(), y, y_stride);
+                acts.sx.data(), y, y_stride, path);
   if (in.n_w4) {
-    w4_kernel_ = w4_active_kernel(&w4_rows_);
+    w4_kernel_ = w4_active_kernel(path, &w4_rows_);
     TORCH_CHECK(w4_kernel_ != nullptr,
                 "w8a8_decoder_layers: every W4A8 kernel path is disabled (the self-check failed)");
     for (int64_t m = 0; m < in.n_w4; ++m) w4_first_[m + 1] = w4_first_[m] + (in.w4[m].n + kW4Lanes - 1) / kW4Lanes;
@@ -121,9 +121,9 @@ void StepGemm::quantize(const float* x, int64_t r0, int64_t r1) const {
     const int64_t k4 = padded_k(K);
     uint8_t* q = acts_->q.data() + r0 * k4;
     if (in_->act_bits == 15)
-      quantize_rows_split_u8(x + r0 * K, nr, K, q, acts_->q_lo.data() + r0 * k4, acts_->sx.data() + r0);
+      quantize_rows_split_u8(x + r0 * K, nr, K, q, acts_->q_lo.data() + r0 * k4, acts_->sx.data() + r0, path_);
     else
-      quantize_rows_u8(x + r0 * K, nr, K, q, acts_->sx.data() + r0);
+      quantize_rows_u8(x + r0 * K, nr, K, q, acts_->sx.data() + r0, path_);
   }
   if (in_->n_w4) {
     const int64_t G = K / in_->group;

@@ -69,12 +69,12 @@ struct StepActs {
   std::vector<float> w4sx, w4xs;  // 4-bit: per row and group, rows of K / group
 };
 
-// The linears of one input over M rows, writing y [M, y_stride]. The constructor checks (and
-// may throw); quantize and run never throw, so they run inside the OpenMP region. `in` and
-// `acts` must outlive it.
+// The linears of one input over M rows, writing y [M, y_stride], on kernel path `path`. The
+// constructor checks (and may throw); quantize and run never throw, so they run inside the
+// OpenMP region. `in` and `acts` must outlive it.
 class StepGemm {
  public:
-  StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride);
+  StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride, KernelPath path);
   // Quantize rows [r0, r1) of x [M, K] in the forms the linears need.
   void quantize(const float* x, int64_t r0, int64_t r1) const;
   // Thread tid of nt: its share of the int8 vectors and of the 4-bit ones.
@@ -86,6 +86,7 @@ class StepGemm {
   int64_t M_;
   float* y_;
   int64_t y_stride_;
+  KernelPath path_;
   std::optional<SmallMGemm> i8_;
   W4RowsFn w4_kernel_ = nullptr;
   int64_t w4_rows_ = 1;

@@ -121,8 +121,8 @@ void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int
     }
 }
 
-W4RowsFn w4_active_kernel(int64_t* max_rows) {
-  const int p = w4_path_for(kernel_path());
+W4RowsFn w4_active_kernel(KernelPath path, int64_t* max_rows) {
+  const int p = w4_path_for(path);
   if (p < 0) return nullptr;
   *max_rows = w4_max_rows(static_cast<KernelPath>(p));
   return w4_kernel(static_cast<KernelPath>(p));

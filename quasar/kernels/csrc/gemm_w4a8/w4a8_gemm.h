@@ -80,9 +80,10 @@ int w4_path_for(KernelPath p);
 W4RowsFn w4_kernel(KernelPath p);
 void w4_disable_path(KernelPath p);
 
-// The kernel the W4A8 op runs now (the active kernel path's, amx served by avx512-vnni, less
-// paths the self-check disabled) and its rows per pass; nullptr when every path is disabled.
-W4RowsFn w4_active_kernel(int64_t* max_rows);
+// The kernel a W4A8 linear runs on kernel path `path` (amx served by avx512-vnni; a path the
+// self-check disabled by the next lower one) and its rows per pass; nullptr when every path
+// is disabled.
+W4RowsFn w4_active_kernel(KernelPath path, int64_t* max_rows);
 
 // One vector's outputs for all M rows of a (passes of max_rows rows): y[r * y_stride + i] =
 // the kernel's acc + bias[i] (bias null: acc) for the lanes i < `lanes` that are real outputs;

@@ -50,34 +50,39 @@ Int8Settings& int8_settings() {
   return settings;
 }
 
-bool vnni_supported() {
+bool vnni_supported(KernelPath path) {
 #ifdef QUASAR_VNNI_KERNEL
-  return path_at_least(KernelPath::kAvx512Vnni);
+  return path_at_least(path, KernelPath::kAvx512Vnni);
 #else
+  (void)path;
   return false;
 #endif
 }
 
-bool amx_supported() {
+bool amx_supported(KernelPath path) {
 #ifdef QUASAR_AMX_KERNEL
-  return kernel_path() == KernelPath::kAmx;
+  return path == KernelPath::kAmx;
 #else
+  (void)path;
   return false;
 #endif
 }
 
-bool amx_enabled() { return amx_supported() && int8_settings().amx_min_rows.load(std::memory_order_relaxed) > 0; }
+bool amx_enabled(KernelPath path) {
+  return amx_supported(path) && int8_settings().amx_min_rows.load(std::memory_order_relaxed) > 0;
+}
 
 bool prefetch_whole_stream() { return int8_settings().stream_prefetch.load(std::memory_order_relaxed) != 0; }
 
 // ---------------------------------------------------------------- quantizers
-void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx) {
-  if (vnni_supported()) return quantize_u8_avx512(x, m_len, k_len, q, sx);
+void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx, KernelPath path) {
+  if (vnni_supported(path)) return quantize_u8_avx512(x, m_len, k_len, q, sx);
   quantize_rows<uint8_t, 128>(x, m_len, k_len, q, sx, padded_k(k_len));
 }
 
-void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx) {
-  if (vnni_supported()) return quantize_split_avx512(x, m_len, k_len, hi, lo, sx);
+void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx,
+                            KernelPath path) {
+  if (vnni_supported(path)) return quantize_split_avx512(x, m_len, k_len, hi, lo, sx);
   quantize_split(x, m_len, k_len, hi, lo, sx);
 }
 
@@ -194,7 +199,7 @@ void gemm_vectors(const SmallMGemm& g, const int64_t* vector_first, KernelPath p
 }  // namespace
 
 SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int64_t K_, const Int8Segment* segs_,
-                       int64_t n_segs_, const float* sx_, float* y_, int64_t y_stride_)
+                       int64_t n_segs_, const float* sx_, float* y_, int64_t y_stride_, KernelPath path_)
     : xu(xu_), xlo(xlo_), M(M_), K(K_), segs(segs_), n_segs(n_segs_), sx(sx_), y(y_), y_stride(y_stride_) {
   TORCH_CHECK(M >= 1 && M <= kTiledMaxRows, "int8 small-M GEMM called with M = ", M);
   TORCH_CHECK(n_segs >= 1 && n_segs <= kMaxSegments, "int8 small-M GEMM: 1..", kMaxSegments, " segments");
@@ -204,7 +209,7 @@ SmallMGemm::SmallMGemm(const uint8_t* xu_, const uint8_t* xlo_, int64_t M_, int6
     vector_first[s + 1] = vector_first[s] + (segs[s].n + 15) / 16;
   }
   const int64_t amx_min = int8_settings().amx_min_rows.load(std::memory_order_relaxed);
-  path = kernel_path();
+  path = path_;
   if (path == KernelPath::kAmx && !(amx_min > 0 && M >= amx_min)) path = KernelPath::kAvx512Vnni;
 }
 
@@ -223,17 +228,17 @@ void SmallMGemm::run_parallel() const {
 }
 
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
-                  const float* sx, float* y, int64_t y_stride) {
-  small_m_gemm_split(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride);
+                  const float* sx, float* y, int64_t y_stride, KernelPath path) {
+  small_m_gemm_split(xu, nullptr, M, K, segs, n_segs, sx, y, y_stride, path);
 }
 
 // Any M, kTiledMaxRows rows a call (each row is computed alone, so the chunking changes no bit).
 void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs,
-                        int64_t n_segs, const float* sx, float* y, int64_t y_stride) {
+                        int64_t n_segs, const float* sx, float* y, int64_t y_stride, KernelPath path) {
   const int64_t k4 = padded_k(K);
   for (int64_t r0 = 0; r0 < M; r0 += kTiledMaxRows)
     SmallMGemm(xhi + r0 * k4, xlo ? xlo + r0 * k4 : nullptr, std::min(kTiledMaxRows, M - r0), K, segs, n_segs,
-               sx + r0, y + r0 * y_stride, y_stride)
+               sx + r0, y + r0 * y_stride, y_stride, path)
         .run_parallel();
 }
 

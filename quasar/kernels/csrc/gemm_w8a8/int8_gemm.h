@@ -49,9 +49,9 @@ struct Int8Segment {
   int64_t y_col;
 };
 
-// True when the active kernel path is AMX (the CPU has AMX-INT8 and Linux lets this
-// process use the tiles) and AMX is not turned off (int8_amx_min_rows(0), QUASAR_NO_AMX).
-bool amx_enabled();
+// True when `path` is AMX (the CPU has AMX-INT8 and Linux lets this process use the tiles)
+// and AMX is not turned off (int8_amx_min_rows(0), QUASAR_NO_AMX).
+bool amx_enabled(KernelPath path);
 
 // Whether one-row passes prefetch their whole weight stream in software (the default) or
 // only each thread's first kStreamStartBytes of a weight, where the hardware prefetcher has
@@ -92,20 +92,21 @@ void tile_rows_portable(const uint8_t* x, int64_t M, int64_t K, const int8_t* t,
 
 // Per-row dynamic int8 quantization of x [M, K] as uint8 (q + 128) into q [M, padded_k(K)]
 // (the padding q = 0), scales into sx [M]; the same bits as quantize_activation in
-// quasar/runtime/w8a8_numerics.py.
-void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx);
+// quasar/runtime/w8a8_numerics.py (on any path; `path` picks the compiled form).
+void quantize_rows_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* q, float* sx, KernelPath path);
 
 // y[m, seg.y_col + n] = ((float(xu[m] . w[n] - comp[n]) * ws[n]) * sx[m]) + bias[n] for
-// every segment and 1 <= M <= 128 rows of xu [M, padded_k(K)], on the active kernel path;
-// bitwise Int8Linear's result on every path.
+// every segment and any M rows of xu [M, padded_k(K)], on kernel path `path`; bitwise
+// Int8Linear's result on every path.
 void small_m_gemm(const uint8_t* xu, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
-                  const float* sx, float* y, int64_t y_stride);
+                  const float* sx, float* y, int64_t y_stride, KernelPath path);
 
 // 15-bit activations (|q| <= 16383, scale amax / 16383, as quantize_activation(x, 15)) split
 // as q = 128 * hi + lo with hi = q / 128 and lo = q % 128 (C++'s truncating division:
 // both in [-127, 127], which the AVX2 kernel needs): hi + 128 and lo + 128 as uint8
 // [M, padded_k(K)] each. Any exact split gives the same int64 sums, hence the same bits.
-void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx);
+void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_t* hi, uint8_t* lo, float* sx,
+                            KernelPath path);
 
 // A small-M GEMM cut into vectors (16 output columns of one weight tile each), for callers
 // that spread them over their own threads (the fused decoder op runs a whole step in one
@@ -116,7 +117,7 @@ void quantize_rows_split_u8(const float* x, int64_t m_len, int64_t k_len, uint8_
 constexpr int64_t kMaxSegments = 8;
 struct SmallMGemm {
   SmallMGemm(const uint8_t* xu, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs, int64_t n_segs,
-             const float* sx, float* y, int64_t y_stride);
+             const float* sx, float* y, int64_t y_stride, KernelPath path);
   int64_t vectors() const { return vector_first[n_segs]; }
   void run(int64_t v0, int64_t v1) const;
   void run_parallel() const;
@@ -129,13 +130,13 @@ struct SmallMGemm {
   float* y;
   int64_t y_stride;
   int64_t vector_first[kMaxSegments + 1];  // segment s's first vector
-  KernelPath path;  // how the sums are made (the active path; AVX512 for AMX below its row minimum)
+  KernelPath path;  // how the sums are made (the given path; AVX512 for AMX below its row minimum)
 };
 
 // small_m_gemm for split 15-bit activations: the int32 products of hi and lo (each exact)
 // combined as 128 * hi + lo in int64, then the same epilogue; bitwise Int8Linear's result
 // with act_bits = 15.
 void small_m_gemm_split(const uint8_t* xhi, const uint8_t* xlo, int64_t M, int64_t K, const Int8Segment* segs,
-                        int64_t n_segs, const float* sx, float* y, int64_t y_stride);
+                        int64_t n_segs, const float* sx, float* y, int64_t y_stride, KernelPath path);
 
 }  // namespace quasar

@@ -144,11 +144,11 @@ struct Int8Settings {
 Int8Settings& int8_settings();
 
 // The AVX512-VNNI kernel and the AVX512-compiled quantizers run on the avx512-vnni and amx
-// paths (cpu_features.h: the CPU has them and no lower path is forced).
-bool vnni_supported();
-// The CPU has AMX-INT8, Linux lets this process use the tile data state (asked once,
-// cpu_features.cpp) and the path is not forced lower.
-bool amx_supported();
+// paths (where the compiler builds them).
+bool vnni_supported(KernelPath path);
+// The AMX kernel runs on the amx path (the CPU has AMX-INT8 and Linux lets this process use
+// the tile data state: cpu_runs, cpu_features.cpp).
+bool amx_supported(KernelPath path);
 
 // ---------------------------------------------------------------- per-path kernels
 // The AVX512 path (x86_avx512.cpp): tile_rows' contract (int8_gemm.h) with 512-bit

@@ -41,19 +41,19 @@ using quasar::quantize_rows;
 // through ext.onednn_exact). Without VNNI oneDNN makes its u8 x s8 products with vpmaddubsw,
 // whose int16 pairs saturate: its sums are wrong, so every lower path computes all rows
 // itself, kTiledMaxRows at a time.
-bool onednn_allowed() {
-  return quasar::vnni_supported() && quasar::int8_settings().onednn_exact.load(std::memory_order_relaxed);
+bool onednn_allowed(quasar::KernelPath path) {
+  return quasar::vnni_supported(path) && quasar::int8_settings().onednn_exact.load(std::memory_order_relaxed);
 }
 
 // The largest M int8_linear sends to the small-M kernel: as set, or by default all it takes
 // when AMX computes them, kSmallMaxRows on AVX512-VNNI alone (oneDNN is faster for more
 // rows there), and every M on the lower paths (in chunks of kTiledMaxRows).
-int64_t small_m_limit() {
+int64_t small_m_limit(quasar::KernelPath path) {
   const quasar::Int8Settings& s = quasar::int8_settings();
   const int64_t v = s.small_m_max.load(std::memory_order_relaxed);
   if (v >= 0) return v;
-  if (!onednn_allowed()) return std::numeric_limits<int64_t>::max();
-  return quasar::amx_enabled() ? kTiledMaxRows : kSmallMaxRows;
+  if (!onednn_allowed(path)) return std::numeric_limits<int64_t>::max();
+  return quasar::amx_enabled(path) ? kTiledMaxRows : kSmallMaxRows;
 }
 
 at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
@@ -63,20 +63,24 @@ at::Tensor as_float_vector(const at::Tensor& t, int64_t n, const char* what) {
   return t.to(at::kFloat).contiguous();  // no-ops for the usual float32 buffers
 }
 
-// The operands of one int8_linear call as its kernels take them (float32, contiguous), and
-// which GEMM computes its rows: the small-M kernel (segment `seg` over the weight's tiles;
-// every M below the AVX512 paths: same int32s, same epilogue) or oneDNN's u8 or s8 one.
+// The operands of one int8_linear call as its kernels take them (float32, contiguous), its
+// kernel path, and which GEMM computes its rows: the small-M kernel (segment `seg` over the
+// weight's tiles; every M below the AVX512 paths: same int32s, same epilogue) or oneDNN's u8
+// or s8 one.
 struct LinearOperands {
   at::Tensor ws, b, cmp, c;
   quasar::Int8Segment seg{};
+  quasar::KernelPath path = quasar::KernelPath::kPortable;
   bool use_u8 = false, small_m = false;
   const float* bias() const { return b.defined() ? b.data_ptr<float>() : nullptr; }
 };
 
 LinearOperands linear_operands(const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& comp, const std::optional<at::Tensor>& tiles,
-                               bool u8_single, bool u8_multi, int64_t M, int64_t N, int64_t K) {
+                               bool u8_single, bool u8_multi, int64_t M, int64_t N, int64_t K,
+                               quasar::KernelPath path) {
   LinearOperands o;
+  o.path = path;
   o.ws = as_float_vector(weight_scale, N, "weight_scale");
   if (bias.has_value() && bias->defined()) o.b = as_float_vector(*bias, N, "bias");
   o.use_u8 = M == 1 ? u8_single : u8_multi;
@@ -85,7 +89,7 @@ LinearOperands linear_operands(const at::Tensor& weight_scale, const std::option
                 "int8_linear: the u8 variant needs comp = 128 * rowsum(weight) as int32 [N]");
     o.cmp = comp->contiguous();
   }
-  o.small_m = M <= small_m_limit() && comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
+  o.small_m = M <= small_m_limit(path) && comp.has_value() && comp->defined() && comp->scalar_type() == at::kInt &&
               comp->numel() == N && tiles.has_value() && tiles->defined();
   if (o.small_m) {
     TORCH_CHECK(tiles->scalar_type() == at::kChar && tiles->is_contiguous() &&
@@ -100,8 +104,8 @@ LinearOperands linear_operands(const at::Tensor& weight_scale, const std::option
 // The rows the small-M kernel does not take: oneDNN where it is exact (AVX512 paths), else
 // float64, exact too (|sums| < 2**53); torch 2.13's CPU _int_mm is wrong for K == 1.
 // q int8 or uint8 [M, K] -> int32 [M, N].
-at::Tensor exact_int_mm(const at::Tensor& q, const at::Tensor& weight) {
-  if (weight.size(1) == 1 || !onednn_allowed())
+at::Tensor exact_int_mm(const at::Tensor& q, const at::Tensor& weight, quasar::KernelPath path) {
+  if (weight.size(1) == 1 || !onednn_allowed(path))
     return at::matmul(q.to(at::kDouble), weight.to(at::kDouble).t()).to(at::kInt);
   return at::_int_mm(q, weight.t());
 }
@@ -111,14 +115,15 @@ void linear_15bit(const at::Tensor& xf, const at::Tensor& weight, const LinearOp
   const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
   at::Tensor hi = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
   at::Tensor lo = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
-  quasar::quantize_rows_split_u8(xf.data_ptr<float>(), M, K, hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), sx);
+  quasar::quantize_rows_split_u8(xf.data_ptr<float>(), M, K, hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), sx,
+                                 o.path);
   if (o.small_m) {
-    quasar::small_m_gemm_split(hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), M, K, &o.seg, 1, sx, y, N);
+    quasar::small_m_gemm_split(hi.data_ptr<uint8_t>(), lo.data_ptr<uint8_t>(), M, K, &o.seg, 1, sx, y, N, o.path);
     return;
   }
   // s8 halves (both in [-127, 127]), each an exact int32 GEMM
   const auto gemm = [&](const at::Tensor& u) {
-    return exact_int_mm(u.narrow(1, 0, K).to(at::kShort).sub_(128).to(at::kChar).contiguous(), weight)
+    return exact_int_mm(u.narrow(1, 0, K).to(at::kShort).sub_(128).to(at::kChar).contiguous(), weight, o.path)
         .to(at::kLong);
   };
   const at::Tensor acc = gemm(hi).mul_(128).add_(gemm(lo)).contiguous();
@@ -130,19 +135,19 @@ void linear_8bit(const at::Tensor& xf, const at::Tensor& weight, const LinearOpe
   const int64_t M = xf.size(0), K = xf.size(1), N = weight.size(0);
   if (o.small_m) {
     at::Tensor q = at::empty({M, quasar::padded_k(K)}, xf.options().dtype(at::kByte));
-    quasar::quantize_rows_u8(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx);
-    quasar::small_m_gemm(q.data_ptr<uint8_t>(), M, K, &o.seg, 1, sx, y, N);
+    quasar::quantize_rows_u8(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx, o.path);
+    quasar::small_m_gemm(q.data_ptr<uint8_t>(), M, K, &o.seg, 1, sx, y, N, o.path);
     return;
   }
   at::Tensor acc;
   if (o.use_u8) {
     at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kByte));
     quantize_rows<uint8_t, 128>(xf.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), sx, K);
-    acc = exact_int_mm(q, weight);
+    acc = exact_int_mm(q, weight, o.path);
   } else {
     at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
     quantize_rows<int8_t, 0>(xf.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), sx, K);
-    acc = exact_int_mm(q, weight);
+    acc = exact_int_mm(q, weight, o.path);
   }
   if (acc.stride(1) != 1) acc = acc.contiguous();
   epilogue(acc.data_ptr<int32_t>(), acc.stride(0), o.cmp.defined() ? o.cmp.data_ptr<int32_t>() : nullptr,
@@ -160,12 +165,16 @@ void linear_8bit(const at::Tensor& xf, const at::Tensor& weight, const LinearOpe
 // small_m_gemm instead, whatever the flags say.
 // act_bits = 15: 15-bit activations split as 128 * hi + lo, two exact int8 GEMMs combined
 // in int64 (small_m_gemm_split, or oneDNN's s8 x s8 twice), the same epilogue.
+// path: the kernel path ("" for the process default; cpu_features.h).
 // Returns [..., N] in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& comp, bool u8_single, bool u8_multi,
-                       const std::optional<at::Tensor>& tiles, int64_t act_bits) {
+                       const std::optional<at::Tensor>& tiles, int64_t act_bits, const std::string& path) {
   TORCH_CHECK(act_bits == 8 || act_bits == 15, "int8_linear: act_bits must be 8 or 15, got ", act_bits);
+  quasar::KernelPath kernel_path;
+  TORCH_CHECK(quasar::resolve_kernel_path(path.c_str(), &kernel_path), "int8_linear: unknown kernel path '", path,
+              "' or one this CPU does not run");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(),
               "int8_linear: tensors must be on the CPU");
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_linear: x must be floating point");
@@ -182,7 +191,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0) {
-    const LinearOperands o = linear_operands(weight_scale, bias, comp, tiles, u8_single, u8_multi, M, N, K);
+    const LinearOperands o =
+        linear_operands(weight_scale, bias, comp, tiles, u8_single, u8_multi, M, N, K, kernel_path);
     std::vector<float> sx(M);
     if (act_bits == 15)
       linear_15bit(xf, weight, o, sx.data(), y.data_ptr<float>());
@@ -196,7 +206,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight,
 // The largest M that takes the small-M kernel (default 16, or kTiledMaxRows with AMX; at most
 // kTiledMaxRows; 0 disables it); max_m < 0 only reads. Returns the previous value.
 int64_t int8_small_m_max(int64_t max_m) {
-  const int64_t before = small_m_limit();
+  const int64_t before = small_m_limit(quasar::kernel_path());
   if (max_m >= 0) quasar::int8_settings().small_m_max.store(std::min(max_m, kTiledMaxRows));
   return before;
 }
@@ -227,7 +237,7 @@ bool int8_onednn_exact(int64_t value) {
 }
 
 // Whether this CPU runs the small-M kernel's AMX path (AMX-INT8, and Linux allows it).
-bool int8_amx_supported() { return quasar::amx_supported(); }
+bool int8_amx_supported() { return quasar::amx_supported(quasar::kernel_path()); }
 
 // The weight [N, K] int8 in the small-M kernel's tile layout (quasar::pack_tiles). With
 // release_source, the source is handed back to the OS as it is copied, 16 MiB at a time (see

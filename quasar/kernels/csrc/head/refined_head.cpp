@@ -76,7 +76,7 @@ void each_at_least(float* row, int64_t n, float kth, bool wide, Refine refine) {
 // per-token int8 activations, numerics.quantize_activation), weight [V, K] int8 and
 // weight_scale [V, 1] float32 (the int8 head), 1 <= top_k <= min(V, 64).
 void refine_head_rows(at::Tensor logits, const at::Tensor& qx, const at::Tensor& sx, const at::Tensor& weight,
-                      const at::Tensor& weight_scale, int64_t top_k) {
+                      const at::Tensor& weight_scale, int64_t top_k, const std::string& path) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&
                   logits.is_contiguous(),
               "refine_head_rows: logits must be a contiguous float32 CPU tensor [rows, vocab]");
@@ -99,7 +99,10 @@ void refine_head_rows(at::Tensor logits, const at::Tensor& qx, const at::Tensor&
   const float* sxs = sx.data_ptr<float>();
   const int8_t* ws = weight.data_ptr<int8_t>();
   const float* wss = weight_scale.data_ptr<float>();
-  const bool wide = quasar::row_avx512_active();
+  quasar::KernelPath kernel_path;
+  TORCH_CHECK(quasar::resolve_kernel_path(path.c_str(), &kernel_path), "refine_head_rows: unknown kernel path '",
+              path, "' or one this CPU does not run");
+  const bool wide = quasar::row_avx512_active(kernel_path);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = ys + r * V;

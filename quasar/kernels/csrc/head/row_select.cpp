@@ -72,7 +72,7 @@ __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* r, int64_t
 
 // logits [R, V] float32 -> (argmax [R] int64, top-k ids [R, k] int64, best first; [R, 0] for
 // k = 0). Rows are independent; they are spread over the intra-op threads.
-std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int64_t k) {
+std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int64_t k, const std::string& path) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
               "row_argmax_topk: logits must be a float32 CPU tensor [rows, vocab]");
   const int64_t R = logits.size(0), V = logits.size(1);
@@ -84,7 +84,10 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int
   const float* xs = x.data_ptr<float>();
   int64_t* bs = best.data_ptr<int64_t>();
   int64_t* ts = top.data_ptr<int64_t>();
-  const bool wide = quasar::row_avx512_active();
+  quasar::KernelPath kernel_path;
+  TORCH_CHECK(quasar::resolve_kernel_path(path.c_str(), &kernel_path), "row_argmax_topk: unknown kernel path '",
+              path, "' or one this CPU does not run");
+  const bool wide = quasar::row_avx512_active(kernel_path);
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xs + r * V;

@@ -73,13 +73,14 @@ __attribute__((target("avx512f"))) inline void topk_avx512(const float* r, int64
 }
 #endif
 
-// Whether the AVX512 row scans (these, and row_select.cpp's argmax) run: on the AVX512 kernel
-// paths only (cpu_features.h), so a forced lower path runs the plain loops, which give the same
-// answers.
-inline bool row_avx512_active() {
+// Whether the AVX512 row scans (these, and row_select.cpp's argmax) run on kernel path `path`:
+// on the AVX512 paths only (cpu_features.h), so a lower path runs the plain loops, which give
+// the same answers.
+inline bool row_avx512_active(KernelPath path) {
 #ifdef QUASAR_ROW_AVX512
-  return path_at_least(KernelPath::kAvx512Vnni);
+  return path_at_least(path, KernelPath::kAvx512Vnni);
 #else
+  (void)path;
   return false;
 #endif
 }
