@@ -2,8 +2,8 @@
 
 At small model sizes a verifier step of a few tokens spends more time in ~50 small ATen
 ops per layer (norms, RoPE, one attention call per query for row invariance, residuals)
-than in reading its int8 weights. ``csrc/decoder_layer.cpp`` runs each
-layer's glue as plain loops between the same GEMMs its linears use (``csrc/step_linears.h``:
+than in reading its int8 weights. ``csrc/decoder_layer/decoder_layer.cpp`` runs each
+layer's glue as plain loops between the same GEMMs its linears use (``csrc/decoder_layer/step_linears.h``:
 Int8Linear's int8 GEMM, W4A8Linear's 4-bit kernels, bitwise their results);
 :class:`FusedW8A8Step` feeds it the layers' own buffers (the module tree is not copied or
 forked) and the model calls it for every verifier step (``Transformer.step``, and chains of
