@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "QuasarError", "__version__"]
 
 
-def __getattr__(name):  # keep `import quasar` light: torch loads on first use of LLM
+def __getattr__(name):
     if name == "LLM":
-        from quasar.api import LLM
+        from quasar.api import LLM  # lazy: keeps `import quasar` light (torch loads on first use of LLM)
 
         return LLM
     raise AttributeError(name)

@@ -1,8 +1,10 @@
 """The Python API: `LLM(model=...)` then `.generate(prompt_or_messages, **options)`.
 
 An LLM holds the opened model (config and tokenizer; its float weights load only when a
-verifier that needs them, fp or pruned:F, is asked for) and, built on first use, each
-verifier; every verifier has its own static KV cache with `max_batch` sequence slots.
+verifier that needs them, fp or pruned:F, is asked for) and its `Engine`
+(quasar.engine.engine), which builds each verifier on first use; every verifier has its own
+static KV cache with `max_batch` sequence slots. A verifier's name is parsed here, where a
+call enters, into a `VerifierSpec` (quasar.engine.spec) that the engine takes.
 `generate` / `stream` decode one prompt; `generate_batch` decodes many together, one
 verifier step for all (quasar.speculative.batch), with the same tokens each would get
 alone. One call at a time uses an LLM's verifiers (`lock`).
@@ -10,8 +12,6 @@ alone. One call at a time uses an LLM's verifiers (`lock`).
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import sys
 import threading
 import time
@@ -19,21 +19,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 import quasar.quant  # noqa: F401  (registers the W8A8 checkpoint format with the model loader)
-from quasar.defaults import DEFAULT_BATCH_ROWS, DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, MAX_BATCH
+from quasar.defaults import DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, MAX_BATCH
+from quasar.engine.engine import Engine
+from quasar.engine.plan import DecodePlan
+from quasar.engine.spec import VerifierSpec
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
 from quasar.models.loader import LoadedModel, load_model
-from quasar.runtime import step_cost
 from quasar.quant.options import QuantOptions
-from quasar.speculative.registry import AUTO, make_drafter, resolve_drafter
-from quasar.speculative.batch import BatchDecoder, decode
+from quasar.speculative.batch import BatchDecoder
 from quasar.speculative.drafters import Drafter
 from quasar.speculative.generate import Chunk, Result
-from quasar.speculative.options import (DecodeOptions, DecodePlan, DraftOptions, SamplingOptions, check_int)
+from quasar.speculative.options import DecodeOptions, DraftOptions, SamplingOptions, check_int
 from quasar.speculative.tree_drafter import RecyclingTable
-from quasar.engine.verifiers import QUANTIZED, build_verifier, canonical_verifier, parse_verifier
 
 
 @dataclass
@@ -57,30 +58,35 @@ class LLM:
 
     `draft` (with `drafter` as a shorthand for its drafter) and `verifier` are the defaults
     of every call; each call may override them. `quant` says how the W8A8 verifier is made.
+    Verifiers are named by a string ("w8a8", "pruned:0.5") or a `VerifierSpec`, parsed here;
+    the `engine` (quasar.engine.engine) builds, keeps and decodes with them.
     """
 
     def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str | None = None,
-                 verifier: str | None = None, draft: DraftOptions | None = None,
+                 verifier: str | VerifierSpec | None = None, draft: DraftOptions | None = None,
                  max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
                  quant: QuantOptions | None = None, max_batch: int = DEFAULT_MAX_BATCH):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if threads:
             torch.set_num_threads(threads)
-        if verifier is not None:
-            verifier = canonical_verifier(verifier)
+        spec = VerifierSpec.parse(verifier) if verifier is not None else None  # fails before the load
         # The per-call defaults: `draft` (its drafter replaced by `drafter` when given).
         self.draft = (draft or DraftOptions()).replace(drafter=drafter)
         self.loaded: LoadedModel = load_model(model, dtype)
-        verifier = verifier or self.loaded.default_verifier
+        self.verifier_spec = spec or VerifierSpec.parse(self.loaded.default_verifier)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
-        self.verifier, self.dtype = verifier, dtype
-        self.max_context = min(max_context, self.config.max_position_embeddings)
-        self.max_batch = max_batch
-        self.quant = quant or QuantOptions()
-        self._verifiers: dict[str, Transformer] = {}
-        self._recycled: dict[str, RecyclingTable] = {}
-        self._lock = threading.RLock()
+        self.dtype = dtype
+        self.engine = Engine(self.loaded, quant or QuantOptions(),
+                             min(max_context, self.config.max_position_embeddings), max_batch)
+        # The engine's, fixed for its life; `lock` is held while a call uses the verifiers.
+        self.max_context, self.max_batch = self.engine.max_context, self.engine.max_batch
+        self.quant, self.lock = self.engine.quant, self.engine.lock
+
+    @property
+    def verifier(self) -> str:
+        """The default verifier's canonical name."""
+        return str(self.verifier_spec)
 
     @property
     def drafter(self) -> str:
@@ -88,60 +94,38 @@ class LLM:
         return self.draft.drafter
 
     @property
-    def lock(self) -> threading.RLock:
-        """Held while a call uses the verifiers and their caches (one user at a time)."""
-        return self._lock
-
-    @property
     def model(self) -> Transformer:
         """The float model (for a W8A8 checkpoint directory: that model), loaded on first use."""
         return self.loaded.model
 
-    def verifier_model(self, name: str) -> Transformer:
-        """The verifier `name`, built (for w8a8: quantized or loaded from the cache, its kernels
-        compiled or loaded) and warmed up with one step, once."""
-        name = canonical_verifier(name)
-        if name not in self._verifiers:
-            model = build_verifier(name, self._float_model, {"w8a8": self._w8a8, "w4a8": self._w4a8,
-                                                             "w4a8-small": self._w4a8_small})
-            step_cost.install_measured(model)  # what its rows cost on this CPU (a fused W8A8 step only)
-            model.setup_cache(self.max_context, n_slots=self.max_batch)
-            # One step now, so one-time work (loading the int8 kernels, packing weights) is
-            # not timed as decoding later.
-            model(torch.zeros((1, 1), dtype=torch.long, device=model.model.norm.weight.device), logits="last")
-            model.cache.lengths = [0] * self.max_batch
-            self._verifiers[name] = model
-        return self._verifiers[name]
+    def _spec(self, verifier: str | VerifierSpec | None = None) -> VerifierSpec:
+        """The `VerifierSpec` of `verifier` (a name or a spec; None: this LLM's)."""
+        return VerifierSpec.parse(verifier) if verifier else self.verifier_spec
+
+    def verifier_model(self, verifier: str | VerifierSpec) -> Transformer:
+        """The verifier `verifier`, built (for w8a8: quantized or loaded from the cache, its
+        kernels compiled or loaded) and warmed up with one step, once (`Engine.model`)."""
+        return self.engine.model(VerifierSpec.parse(verifier))
 
     @property
     def resident_verifiers(self) -> list[str]:
         """The verifiers built and kept (with their KV caches), oldest first."""
-        return list(self._verifiers)
+        return [str(spec) for spec in self.engine.resident]
 
-    def release_verifier(self, name: str) -> None:
-        """Drop verifier `name`, its KV cache and its recycling table (a later use builds it
+    def release_verifier(self, verifier: str | VerifierSpec) -> None:
+        """Drop `verifier`, its KV cache and its recycling table (a later use builds it
         again). The caller must hold no decoder over it."""
-        name = canonical_verifier(name)
-        with self._lock:
-            model = self._verifiers.pop(name, None)
-            self._recycled.pop(name, None)
-            if model is not None:
-                model.cache = None  # the cache goes even if something still holds the model
-        if model is not None:
-            del model
-            gc.collect()  # module trees may hold reference cycles: free their memory now
+        self.engine.release(VerifierSpec.parse(verifier))
 
-    def prepare(self, verifier: str | None = None, progress: bool = False) -> float | None:
+    def prepare(self, verifier: str | VerifierSpec | None = None, progress: bool = False) -> float | None:
         """Build `verifier` (default: this LLM's) now; returns the seconds it took, or None
         when it was ready already. With `progress`, a bar on stderr while it builds."""
-        name = canonical_verifier(verifier or self.verifier)
-        if name in self._verifiers:
+        spec = self._spec(verifier)
+        if spec in self.engine.resident:
             return None
-        from tqdm import tqdm
-
         t0 = time.perf_counter()
         done = threading.Event()
-        with tqdm(total=1, desc=f"building the {name.upper()} verifier (once, cached)", file=sys.stderr,
+        with tqdm(total=1, desc=f"building the {str(spec).upper()} verifier (once, cached)", file=sys.stderr,
                   disable=not progress, leave=False, bar_format="{desc}: {elapsed}") as bar:
 
             def tick() -> None:  # keep the elapsed time moving while the build runs
@@ -151,34 +135,11 @@ class LLM:
             ticker = threading.Thread(target=tick, daemon=True)
             ticker.start()
             try:
-                self.verifier_model(name)
+                self.engine.model(spec)
             finally:
                 done.set()
                 ticker.join()
         return time.perf_counter() - t0
-
-    def _float_model(self) -> Transformer:
-        if self.loaded.quantized:  # its `model` is the int8 one: "fp" would silently time W8A8
-            raise QuasarError(f"{self.loaded.source} is a {self.loaded.quant_kind.upper()} checkpoint with no float "
-                              "weights; the fp and pruned verifiers need the float model (its directory or GGUF "
-                              "file)", param="verifier")
-        return self.model
-
-    def _w8a8(self) -> Transformer:
-        from quasar.engine.w8a8_verifier import w8a8_verifier
-
-        return w8a8_verifier(self.loaded, self.quant)
-
-    def _w4a8(self) -> Transformer:
-        from quasar.engine.w4a8_verifier import w4a8_verifier
-
-        return w4a8_verifier(self.loaded)
-
-    def _w4a8_small(self) -> Transformer:
-        from quasar.quant.w4a8_layouts import SMALL
-        from quasar.engine.w4a8_verifier import w4a8_verifier
-
-        return w4a8_verifier(self.loaded, layout=SMALL)
 
     def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
         if isinstance(prompt, str):
@@ -191,9 +152,9 @@ class LLM:
 
     def check_options(self, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                       top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None,
-                      drafter: str | None = None, verifier: str | None = None, num_draft: int | None = None,
-                      ngram_min: int | None = None, ngram_max: int | None = None, adaptive: bool | None = None,
-                      logprobs: int | None = None, draft_budget: int | None = None,
+                      drafter: str | None = None, verifier: str | VerifierSpec | None = None,
+                      num_draft: int | None = None, ngram_min: int | None = None, ngram_max: int | None = None,
+                      adaptive: bool | None = None, logprobs: int | None = None, draft_budget: int | None = None,
                       resolve: bool = True) -> DecodePlan:
         """The `DecodePlan` of these keyword options, without decoding (a QuasarError names a
         bad one, in `param`). Draft options left None are this LLM's (`draft`). `num_draft`
@@ -208,47 +169,33 @@ class LLM:
                                 logprobs=logprobs)
         return self.plan(options, verifier, resolve)
 
-    def plan(self, options: DecodeOptions, verifier: str | None = None, resolve: bool = True) -> DecodePlan:
+    def plan(self, options: DecodeOptions, verifier: str | VerifierSpec | None = None,
+             resolve: bool = True) -> DecodePlan:
         """The `DecodePlan` of checked `options` on `verifier` (None: this LLM's), checked
         here, with the drafter resolved for it ("auto": `resolve_drafter`, which measures the
-        W8A8 verifier's step, building it first if needed; `resolve=False` leaves "auto")."""
-        verifier = canonical_verifier(verifier or self.verifier)
-        if not resolve:
-            return DecodePlan(verifier, options)
-        drafter = self.resolve_drafter(options.draft.drafter, verifier)
-        if drafter != options.draft.drafter:
-            options = dataclasses.replace(options, draft=options.draft.replace(drafter=drafter))
-        return DecodePlan(verifier, options)
+        quantized verifier's step, building it first if needed; `resolve=False` leaves "auto")."""
+        return self.engine.plan(options, self._spec(verifier), resolve)
 
-    def resolve_drafter(self, drafter: str | None, verifier: str) -> str:
+    def resolve_drafter(self, drafter: str | None, verifier: str | VerifierSpec) -> str:
         """The drafter a call decodes with: `drafter` (None: this LLM's default), where "auto"
         becomes tree drafts if `verifier` is a quantized model (W8A8 or W4A8) whose fused step,
         measured on this CPU, takes 16 rows at little more than the cost of one or takes 10 ms
         or more for one row (quasar.runtime.step_cost.StepCosts.prefers_trees), else the chain
         (quasar.defaults.DEFAULT_DRAFTER)."""
-        drafter = drafter or self.drafter
-        trees = False
-        if drafter == AUTO and verifier in QUANTIZED:
-            costs = step_cost.current(self.verifier_model(verifier))
-            trees = costs is not None and costs.prefers_trees
-        return resolve_drafter(drafter, trees)
+        return self.engine.resolve_drafter(drafter or self.drafter, VerifierSpec.parse(verifier))
 
     def new_drafter(self, plan: DecodePlan) -> Drafter:
         """A fresh drafter for one sequence of `plan`. Tree drafters share their verifier's
         recycling table (`recycling_table`), except under seeded sampling, whose random draws
         follow the drafts: its output must not depend on what was decoded before."""
-        options = plan.draft.drafter_kwargs()
-        sampling = plan.options.sampling
-        if plan.drafter == "tree" and (sampling.greedy or sampling.seed is None):
-            options["recycled"] = self.recycling_table(plan.verifier)
-        return make_drafter(plan.drafter, **options)
+        return self.engine.new_drafter(plan)
 
-    def recycling_table(self, verifier: str) -> RecyclingTable:
+    def recycling_table(self, verifier: str | VerifierSpec) -> RecyclingTable:
         """The token-recycling table the tree drafts of `verifier` share: the verifier's top-k
         next tokens after each token it verified, kept across requests (as Token Recycling
         keeps its matrix), so a request's first steps draft from earlier ones'. Greedy
         output never depends on it (drafts are verified exactly)."""
-        return self._recycled.setdefault(verifier, RecyclingTable())
+        return self.engine.recycling_table(VerifierSpec.parse(verifier))
 
     def encode_checked(self, prompt: str | list[dict] | None, prompt_ids: list[int] | None, raw: bool) -> list[int]:
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt, raw)
@@ -256,13 +203,9 @@ class LLM:
             raise QuasarError(f"prompt has {len(ids)} tokens; the context holds {self.max_context}")
         return ids
 
-    def batch_decoder(self, verifier: str, slots: list[int] | None = None) -> BatchDecoder:
+    def batch_decoder(self, verifier: str | VerifierSpec, slots: list[int] | None = None) -> BatchDecoder:
         """A BatchDecoder over `verifier`'s cache slots (all by default); hold `lock` while using it."""
-        model = self.verifier_model(verifier)
-        cache = model.cache
-        if cache is None or cache.n_slots < self.max_batch or cache.max_seq_len != self.max_context:
-            model.setup_cache(self.max_context, n_slots=self.max_batch)  # someone resized it
-        return BatchDecoder(model, self.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS)
+        return self.engine.batch_decoder(VerifierSpec.parse(verifier), slots)
 
     def stream(self, prompt: str | list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                raw: bool = False, plan: DecodePlan | None = None, **options) -> Iterator[Chunk | Result]:
@@ -272,10 +215,7 @@ class LLM:
         """
         plan = self._plan(plan, options)
         ids = self.encode_checked(prompt, prompt_ids, raw)
-        draft = self.new_drafter(plan)
-        with self._lock:
-            model = self.verifier_model(plan.verifier)
-            yield from decode(model, self.tokenizer, ids, draft, plan.options)
+        yield from self.engine.stream(plan, ids)
 
     def generate(self, prompt: str | list[dict] | None = None, *, plan: DecodePlan | None = None,
                  **options) -> GenerationResult:
@@ -298,20 +238,7 @@ class LLM:
             raise QuasarError("prompts must be a non-empty list of prompts")
         plan = self._plan(plan, options)
         ids = [self.encode_checked(p, None, raw) for p in prompts]
-        results: list[Result | None] = [None] * len(ids)
-        todo = list(range(len(ids)))[::-1]
-        with self._lock:
-            batch = self.batch_decoder(plan.verifier)
-            while todo or batch.n_running:
-                while todo and batch.n_free:
-                    i = todo.pop()
-                    batch.add(i, ids[i], self.new_drafter(plan), plan.options)
-                for i, item in batch.step():
-                    if isinstance(item, Exception):
-                        raise item
-                    if isinstance(item, Result):
-                        results[i] = item
-        return [self._generation_result(r, plan) for r in results]
+        return [self._generation_result(r, plan) for r in self.engine.decode_batch(plan, ids)]
 
     def _plan(self, plan: DecodePlan | None, options: dict) -> DecodePlan:
         if plan is None:
@@ -322,13 +249,10 @@ class LLM:
 
     def _generation_result(self, result: Result, plan: DecodePlan) -> GenerationResult:
         return GenerationResult(result.text, result.token_ids, result.finish_reason, plan.drafter, plan.verifier,
-                                result.stats.as_dict(), self.kernel_path(plan.verifier))
+                                result.stats.as_dict(), self.engine.kernel_path(plan.verifier_spec))
 
-    def kernel_path(self, verifier: str | None = None) -> str:
+    def kernel_path(self, verifier: str | VerifierSpec | None = None) -> str:
         """The kernel path `verifier` (None: this LLM's) decodes on: the int8 kernels' (amx,
         avx512-vnni, avx-vnni, avx2 or portable) for w8a8, the 4-bit kernels' for w4a8 (its
         int8 layers run the same path or, with AMX, the tiles), "pytorch" for float verifiers."""
-        from quasar.kernels import ext
-
-        paths = {"w8a8": ext.kernel_path, "w4a8": ext.w4a8_kernel_path, "w4a8-small": ext.w4a8_kernel_path}
-        return paths.get(parse_verifier(verifier or self.verifier)[0], lambda: ext.PYTORCH_PATH)()
+        return self.engine.kernel_path(self._spec(verifier))

@@ -32,7 +32,7 @@ DEFAULT_ADAPTIVE = True
 # with AMX, 6 with VNNI alone, i.e. 5 nodes whatever the budget). With AMX, 15 nodes (one
 # pass with the pending token) keep the acceptance length of the largest trees while smaller
 # budgets decode about as fast but accept less; larger models, whose rows are relatively
-# cheaper, gain most. `python scripts/compare_drafters.py --configs "chain;tree:6;tree:8;tree:15"`
+# cheaper, gain most. `python scripts/tools/compare_drafters.py --configs "chain;tree:6;tree:8;tree:15"`
 # compares budgets on the bench prompts.
 DEFAULT_DRAFT_BUDGET = 15
 # A verifier step's extra time per row, as a fraction of a one-row step (Transformer.row_cost;

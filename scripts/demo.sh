@@ -3,7 +3,7 @@
 # model and show its speed: Quasar mode against plain autoregressive decoding.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup/setup.sh
 . .venv/bin/activate
 echo "== autoregressive, float verifier (none + fp) =="
 quasar generate --drafter none --verifier fp "$@"

@@ -7,6 +7,7 @@ tokenizer: either the default model's real tokenizer and chat template (vocab 49
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -122,3 +123,50 @@ def tiny_char_model(tmp_path):
     def make(arch: str = "llama", seed: int = 0, **overrides) -> Path:
         return make_tiny_model(tmp_path / f"char-{arch}-{seed}", arch, None, seed, **overrides)
     return make
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random Llama with the default model's tokenizer, one per test module (a module
+    that needs another model defines its own `model_dir`)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "tiny", "llama", default_model_dir, 0)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    """An LLM over `model_dir`: n-gram drafts, the float verifier, one thread."""
+    from quasar.api import LLM
+
+    threads = torch.get_num_threads()
+    yield LLM(str(model_dir), drafter="ngram", verifier="fp", max_context=512, threads=1)
+    torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def swapped(obj, name: str, value):
+    """`obj.name` set to `value` inside the block, then put back (a test's temporary change)."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield old
+    finally:
+        setattr(obj, name, old)
+
+
+def run_on_kernel_path(path: str, test_file: str, selection: str, cwd: Path) -> None:
+    """Run the tests of `test_file` that `selection` (pytest -k) picks in a fresh process forced
+    onto kernel path `path` (QUASAR_ISA), and require them to pass; skipped where this CPU cannot
+    run `path` or where `path` is its own (the tests ran on it already)."""
+    import subprocess
+    import sys
+
+    from quasar.kernels import ext
+
+    if not ext.cpu_runs(path):
+        pytest.skip(f"this CPU does not run the {path} kernel path")
+    if ext.kernel_path() == path:
+        pytest.skip(f"{path} is this CPU's own path: the tests above ran on it")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selection],
+                         env={**os.environ, "QUASAR_ISA": path}, capture_output=True, text=True, cwd=cwd)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout

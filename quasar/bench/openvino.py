@@ -6,7 +6,7 @@ float conversion), exported once by optimum-intel to OpenVINO IR with int8 weigh
 ``$QUASAR_CACHE/openvino/``, keyed by the directory's identity like the W8A8 cache.
 optimum-intel caps transformers below what Quasar uses and pulls torchvision, so it lives
 in an environment of its own (``.venv-openvino-export``, made by
-scripts/install_openvino.sh) and runs as a subprocess; the runtime, openvino-genai, needs
+scripts/setup/install_openvino.sh) and runs as a subprocess; the runtime, openvino-genai, needs
 no torch and sits in Quasar's environment. Both are optional: without them these peers are
 reported as unavailable.
 
@@ -44,7 +44,11 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from quasar.bench.engine import Contender, FidelitySource, RunResult, Unavailable
+from quasar.engine.w8a8_verifier import model_identity
 from quasar.paths import cache_dir
 
 OPENVINO_PEERS = ("openvino", "openvino-pld")
@@ -58,7 +62,7 @@ MANIFEST = "quasar-export.json"
 EXPORT_ENV_DIR = ".venv-openvino-export"
 EXPORT_PYTHON_VAR = "QUASAR_OPENVINO_EXPORT_PYTHON"  # overrides where the exporter lives
 EXPORT_PACKAGES = ("optimum-intel", "optimum", "nncf", "openvino", "openvino-tokenizers", "transformers", "torch")
-INSTALL_HINT = "install it with scripts/install_openvino.sh"
+INSTALL_HINT = "install it with scripts/setup/install_openvino.sh"
 
 # Ops between a compressed weight and its use (int8 -> float: convert, zero point, scale).
 _DECOMPRESSION_OPS = {"Convert", "Subtract", "Multiply", "Reshape"}
@@ -90,8 +94,6 @@ def export_python() -> Path:
 
 def export_dir(model_dir: Path) -> Path:
     """Cache entry of the int8 IR export of `model_dir`."""
-    from quasar.engine.w8a8_verifier import model_identity
-
     blob = json.dumps({"model": model_identity(model_dir), "task": EXPORT_TASK,
                        "weight_format": EXPORT_WEIGHT_FORMAT, "format": EXPORT_FORMAT}, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -152,9 +154,7 @@ def ir_weight_bytes(xml_path: Path) -> int:
     """Bytes of constants one forward reads: all of them but a table that is only gathered
     from (the input embedding when the output head is a separate matrix; one row of it is
     read). A weight is followed through its decompression ops to the ops that use it."""
-    import openvino as ov
-
-    model = ov.Core().read_model(str(xml_path))
+    model = _import_openvino().Core().read_model(str(xml_path))
     total = 0
     for op in model.get_ordered_ops():
         if op.get_type_name() != "Constant":
@@ -181,16 +181,21 @@ def ir_weight_bytes(xml_path: Path) -> int:
 def _cpu_precision() -> str:
     """The CPU plugin's default activation precision here (bf16 on AMX CPUs, else f32)."""
     try:
-        import openvino as ov
-
-        return str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+        return str(_import_openvino().Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
     except Exception:
         return "unknown"
 
 
+def _import_openvino():
+    """The OpenVINO runtime (installed with openvino-genai, which _import_genai checks first)."""
+    import openvino  # lazy: optional dependency
+
+    return openvino
+
+
 def _import_genai():
     try:
-        import openvino_genai
+        import openvino_genai  # lazy: optional dependency
     except Exception as e:  # ImportError, or a shared library that does not load
         raise Unavailable(f"openvino-genai is not importable ({type(e).__name__}: {e}); {INSTALL_HINT}") from None
     return openvino_genai
@@ -199,10 +204,7 @@ def _import_genai():
 @contextmanager
 def openvino_logits(xml_path: Path, threads: int, properties: dict):
     """The IR's logits for token ids (an eval.fidelity LogitsFn; see the module doc)."""
-    import numpy as np
-    import openvino as ov
-    import torch
-
+    ov = _import_openvino()
     try:
         compiled = ov.Core().compile_model(str(xml_path), "CPU", {"INFERENCE_NUM_THREADS": threads, **properties})
     except Exception as e:
@@ -274,8 +276,7 @@ class OpenVINOPeer(Contender):
                 "inference_precision": self.precision}
 
     def _config(self, max_new_tokens: int):
-        import openvino_genai as ov_genai
-
+        ov_genai = _import_genai()
         cfg = ov_genai.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
         if self.eos_ids:
             cfg.eos_token_id = self.eos_ids[0]
@@ -286,10 +287,7 @@ class OpenVINOPeer(Contender):
         return cfg
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
-        import numpy as np
-        import openvino as ov
-
-        ids = ov.Tensor(np.asarray([prompt_ids], dtype=np.int64))
+        ids = _import_openvino().Tensor(np.asarray([prompt_ids], dtype=np.int64))
         res = self.pipe.generate(ids, self._config(max_new_tokens))
         tokens = [int(t) for t in res.tokens[0]]
         new, emitted = tokens, len(tokens)

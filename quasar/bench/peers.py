@@ -7,10 +7,10 @@
 - `llamacpp`, `llamacpp-pld`: llama-cpp-python on the model's own GGUF file, plain and with
   `LlamaPromptLookupDecoding(num_pred_tokens=2)`; `llamacpp-q8`, `llamacpp-pld-q8` the same
   on a Q8_0 copy made by llama.cpp's own quantizer (8.5 bits per weight, like W8A8).
-  llama-cpp-python is an optional extra (scripts/install_llamacpp.sh); without it these
+  llama-cpp-python is an optional extra (scripts/setup/install_llamacpp.sh); without it these
   peers are reported as unavailable.
 - `openvino`, `openvino-pld`: OpenVINO GenAI on an int8 export of the same float model
-  (quasar/bench/openvino.py); optional too (scripts/install_openvino.sh).
+  (quasar/bench/openvino.py); optional too (scripts/setup/install_openvino.sh).
 
 For the fidelity column transformers decodes the float model itself, and llama.cpp scores
 its file from its own logits (`llamacpp_logits`).
@@ -26,9 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 
 from quasar.bench.engine import FLOAT_MODEL, Contender, FidelitySource, RunResult, Unavailable
 from quasar.bench.openvino import OPENVINO_PEERS, OpenVINOPeer
+from quasar.models.gguf import cache_dir_for
 from quasar.paths import cache_dir
 
 HF_PEERS = ("hf", "hf-pld")
@@ -69,6 +71,15 @@ class _Clock:
         pass
 
 
+def _import_transformers():
+    """transformers, for the hf peers (slow to import: only when they run), or Unavailable."""
+    try:
+        import transformers  # lazy: optional dependency (the hf peers only; slow to import)
+    except ImportError as e:
+        raise Unavailable(f"transformers not importable ({e})") from None
+    return transformers
+
+
 class _HFShared:
     """One transformers model shared by `hf` and `hf-pld`."""
 
@@ -79,15 +90,11 @@ class _HFShared:
 
     def load(self):
         if self.model is None:
-            try:
-                from transformers import AutoModelForCausalLM
-            except ImportError as e:
-                raise Unavailable(f"transformers not importable ({e})") from None
-            from transformers.utils import logging as hf_logging
-
+            transformers = _import_transformers()
+            hf_logging = transformers.utils.logging
             hf_logging.disable_progress_bar()  # keep stderr to the bench's own progress bar
             try:
-                model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype)
+                model = transformers.AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.dtype)
             except Exception as e:  # a model layout transformers does not know
                 raise Unavailable(f"transformers cannot load {self.model_dir} ({type(e).__name__}: {e})") from None
             finally:
@@ -118,11 +125,10 @@ class HFPeer(Contender):
         return FLOAT_MODEL  # the same float weights as ar-fp, in the same dtype
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
-        from transformers import GenerationConfig
-
+        transformers = _import_transformers()
         model, eos = self.shared.model, self.shared.eos_ids
         extra = {"prompt_lookup_num_tokens": HF_PLD_TOKENS} if self.pld else {}
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        cfg = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         clock = _Clock()
@@ -148,19 +154,18 @@ class HFPeer(Contender):
 # --------------------------------------------------------------------------- llama.cpp
 
 
-def _import_llama_cpp():
+def import_llama_cpp():
+    """llama-cpp-python's module, or Unavailable saying how to build it."""
     try:
-        import llama_cpp
+        import llama_cpp  # lazy: optional dependency
     except ImportError as e:
         raise Unavailable(f"llama-cpp-python (module llama_cpp) is not installed ({e}); "
-                          "build it with scripts/install_llamacpp.sh") from None
+                          "build it with scripts/setup/install_llamacpp.sh") from None
     return llama_cpp
 
 
 def gguf_weight_bytes(path: Path) -> int:
     """Bytes of tensors read per forward: all but `token_embd` when `output` is separate."""
-    from gguf import GGUFReader
-
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
@@ -169,8 +174,6 @@ def gguf_weight_bytes(path: Path) -> int:
 
 def q8_0_copy(src: Path, threads: int) -> Path:
     """A Q8_0 copy of `src` made by llama.cpp's quantizer, cached beside the GGUF conversion."""
-    from quasar.models.gguf import cache_dir_for
-
     out = cache_dir("llamacpp") / f"{cache_dir_for(src).name}.Q8_0.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +184,7 @@ def q8_0_copy(src: Path, threads: int) -> Path:
 def llamacpp_quantize(src: Path, out: Path, ftype: str, threads: int) -> None:
     """Write `src` quantized by llama.cpp's own quantizer to `out` (ftype e.g. "Q8_0",
     "Q4_K_M"; a source already quantized is requantized), via a temp file and a rename."""
-    llama_cpp = _import_llama_cpp()
+    llama_cpp = import_llama_cpp()
     tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_quantize_default_params()
@@ -200,7 +203,7 @@ def llamacpp_logits(path: Path, window: int, threads: int):
     """llama.cpp's logits for token ids (an eval.fidelity LogitsFn): the GGUF at `path` in a
     context of `window` tokens that keeps every position's logits (logits_all). The ids go in
     as they are, so the tokenization is the float model's."""
-    llama_cpp = _import_llama_cpp()
+    llama_cpp = import_llama_cpp()
     try:
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=window, n_threads=threads, n_threads_batch=threads,
                               logits_all=True, verbose=False)
@@ -233,7 +236,7 @@ class LlamaCppPeer(Contender):
         self.calls = 0
 
     def prepare(self) -> None:
-        llama_cpp = _import_llama_cpp()
+        llama_cpp = import_llama_cpp()
         if self.src is None:
             raise Unavailable(self.why_no_gguf or "no GGUF file for this model")
         path = q8_0_copy(self.src, self.threads) if self.q8 else self.src
@@ -243,9 +246,7 @@ class LlamaCppPeer(Contender):
         self.kv_element_size = 2  # llama.cpp's default f16 K and V
         kwargs = {}
         if self.pld:
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-            kwargs["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_PLD_TOKENS)
+            kwargs["draft_model"] = llama_cpp.llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=LLAMACPP_PLD_TOKENS)
             # With a draft model llama-cpp-python keeps logits for every position but sizes
             # that buffer by the logits_all argument (n_batch rows unless it is True), so
             # past 512 tokens its eval fails to broadcast; ask for n_ctx rows.

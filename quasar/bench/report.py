@@ -6,6 +6,7 @@ ratio of the tokens/s column to ar-fp's, up to rounding.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -264,11 +265,8 @@ def summary_text(results: dict, paths: dict[str, Path] | None = None) -> str:
 
 def make_plots(results: dict, out: Path) -> tuple[dict[str, Path], str]:
     """speedup.png and acceptance.png; ({}, reason) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # the object API: no pyplot, so no GUI backend and no global state
+        from matplotlib.figure import Figure  # lazy: plots only; matplotlib is slow to import, may be missing
     except ImportError:
         return {}, "matplotlib is not installed (pip install matplotlib)"
     paths = {}
@@ -276,7 +274,8 @@ def make_plots(results: dict, out: Path) -> tuple[dict[str, Path], str]:
     sections = [*results["tasks"].values(), results]
     engines = [n for n in [*results["modes"], *results["peers"]] if n != "ar-fp"]
     if "ar-fp" in results["modes"]:  # not on a W8A8 checkpoint, which has no float model
-        fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2.0 + 0.25 * len(groups) * max(1, len(engines)))), 4.5))
+        fig = Figure(figsize=(min(16.0, max(6.5, 2.0 + 0.25 * len(groups) * max(1, len(engines)))), 4.5))
+        ax = fig.subplots()
         width = 0.8 / max(1, len(engines))
         for i, name in enumerate(engines):
             vals = []
@@ -293,13 +292,13 @@ def make_plots(results: dict, out: Path) -> tuple[dict[str, Path], str]:
         fig.tight_layout()
         paths["speedup"] = out / SPEEDUP_PNG
         _save(fig, paths["speedup"])
-        plt.close(fig)
 
     hists = {n: m["accepted_hist"] for n, m in [*results["modes"].items(), *results["peers"].items()]
              if m.get("accepted_hist")}
     if hists:
         kmax = max(int(k) for h in hists.values() for k in h)
-        fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2.0 + 0.15 * kmax * len(hists))), 4.5))
+        fig = Figure(figsize=(min(16.0, max(6.5, 2.0 + 0.15 * kmax * len(hists))), 4.5))
+        ax = fig.subplots()
         width = 0.8 / len(hists)
         for i, (name, h) in enumerate(hists.items()):
             total = sum(h.values())
@@ -315,13 +314,10 @@ def make_plots(results: dict, out: Path) -> tuple[dict[str, Path], str]:
         fig.tight_layout()
         paths["acceptance"] = out / ACCEPTANCE_PNG
         _save(fig, paths["acceptance"])
-        plt.close(fig)
     return paths, ""
 
 
 def _save(fig, path: Path) -> None:
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     write_atomic(path, buf.getvalue())

@@ -34,17 +34,27 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from quasar import __version__
+from quasar.api import LLM
 from quasar.bench import bandwidth as bw
 from quasar.bench.engine import FLOAT_MODEL, Contender, FidelitySource, RunResult, Unavailable
 from quasar.bench.fidelity import matched_quality, measure_fidelity
-from quasar.bench.peers import PEERS, make_peers
+from quasar.bench.peers import PEERS, import_llama_cpp, make_peers
+from quasar.bench.tasks import TASKS, task_prompts
+from quasar.data.packages import packaged_model_path
+from quasar.data.user_files import load_prompt_file
 from quasar.defaults import (DEFAULT_DRAFT_BUDGET, DEFAULT_FIDELITY_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
                              DEFAULT_NUM_DRAFT)
+from quasar.engine.verifiers import model_bytes
 from quasar.errors import QuasarError
+from quasar.eval.fidelity import model_logits
+from quasar.kernels import ext
 from quasar.resources import peak_rss_gb
 from quasar.speculative.tree_drafter import RecyclingTable
 
@@ -137,9 +147,6 @@ class BenchPrompt:
 def load_prompts(cfg: BenchConfig, llm) -> tuple[list[BenchPrompt], list[str]]:
     """Prompts as token ids. Chat items go through the model's chat template; raw text items
     are fed as-is for the code task (completion of a function) and as one user turn otherwise."""
-    from quasar.bench.tasks import TASKS, task_prompts
-    from quasar.data.user_files import load_prompt_file
-
     warnings: list[str] = []
     if cfg.prompts_file:
         items = load_prompt_file(cfg.prompts_file)
@@ -199,8 +206,6 @@ class QuasarMode(Contender):
             model = self.llm.verifier_model(self.verifier)
         except QuasarError as e:
             raise Unavailable(str(e)) from None
-        from quasar.engine.verifiers import model_bytes
-
         self.bytes_per_step = model_bytes(model)
         self.kv_element_size = model.cache.k.element_size()
         self.kv_config = model.config  # a pruned verifier has fewer layers (and caches)
@@ -211,8 +216,6 @@ class QuasarMode(Contender):
         """Its verifier: the modes on one verifier share its figure (quasar, quasar-tree, ar-w8a8)."""
         if self.verifier == "fp":
             return FLOAT_MODEL
-        from quasar.eval.fidelity import model_logits
-
         model = self.llm.verifier_model(self.verifier)
         return FidelitySource(f"verifier {self.verifier}", lambda window: model_logits(model, window))
 
@@ -284,8 +287,6 @@ def _cpu_model() -> str:
 
 
 def _version(module: str) -> str | None:
-    from importlib import metadata
-
     try:
         return metadata.version(module)
     except metadata.PackageNotFoundError:
@@ -308,14 +309,10 @@ def _git_commit() -> str | None:
 
 def _kernel_path() -> str:
     """The int8 kernels' path this run's W8A8 engines decode on (amx ... portable, or pytorch)."""
-    from quasar.kernels import ext
-
     return ext.kernel_path()
 
 
 def environment(threads: int) -> dict:
-    from quasar import __version__
-
     return {
         "quasar": __version__,
         "git_commit": _git_commit(),
@@ -340,9 +337,7 @@ def _llama_cpp_isa() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     try:
-        import llama_cpp
-
-        info = llama_cpp.llama_print_system_info()
+        info = import_llama_cpp().llama_print_system_info()
         info = info.decode() if isinstance(info, bytes) else str(info)
     except Exception:  # a build that cannot load here: the peer itself reports why
         return None
@@ -461,8 +456,6 @@ def ratios(overall: dict) -> list[dict]:
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not enabled, dynamic_ncols=True,
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
@@ -472,10 +465,9 @@ def gguf_source(cfg) -> tuple[Path | None, str]:
     `gguf`, else its `model` when that is a GGUF file or "default"), or None and why not."""
     if cfg.gguf:
         return Path(cfg.gguf).expanduser(), ""
-    if cfg.model == "default":
-        from quasar.data.packages import default_model_path
-
-        return default_model_path(), ""
+    packaged = packaged_model_path(cfg.model)
+    if packaged is not None:
+        return packaged, ""
     path = Path(cfg.model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path, ""
@@ -561,8 +553,6 @@ def _config_record(cfg: BenchConfig, llm, gguf_path: Path | None, threads: int, 
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the whole protocol; returns the results dict (the content of results.json)."""
-    from quasar.api import LLM
-
     cfg.validate()
     started = _dt.datetime.now(_dt.timezone.utc)
     threads = cfg.threads or torch.get_num_threads()

@@ -22,10 +22,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from quasar import __version__
+from quasar.bench.bandwidth import measure_read_bandwidth
 from quasar.bench.engine import Unavailable
+from quasar.bench.runner import describe_cpu, gguf_source
 from quasar.bench.serving_client import ServingPrompt, make_client, run_phase, stream_request
 from quasar.bench.serving_servers import (check_llama_server, llama_server_version, llama_spec, quasar_spec,
                                           sigterm_as_interrupt, start_server)
+from quasar.bench.tasks import task_prompts
+from quasar.data.user_files import load_prompt_file
 from quasar.errors import QuasarError
 
 SCHEMA_VERSION = 1
@@ -99,9 +106,6 @@ class ServingConfig:
 def serving_prompts(cfg: ServingConfig) -> list[ServingPrompt]:
     """The engine protocol's prompts as requests: chat items as chat, the code task's raw
     text as a completion (a function to complete), other raw text as one user turn."""
-    from quasar.bench.tasks import task_prompts
-    from quasar.data.user_files import load_prompt_file
-
     chosen = []
     if cfg.prompts_file:
         per_task: dict[str, int] = {}
@@ -180,9 +184,6 @@ def _slug(name: str) -> str:
 
 
 def _environment(cfg: ServingConfig, threads: int, binary: Path | None) -> dict:
-    from quasar import __version__
-    from quasar.bench.runner import describe_cpu
-
     try:
         cpu = describe_cpu(Path("/proc/cpuinfo").read_text())
     except OSError:
@@ -192,8 +193,6 @@ def _environment(cfg: ServingConfig, threads: int, binary: Path | None) -> dict:
            "llama_server": str(binary) if binary else None,
            "llama_server_version": llama_server_version(binary) if binary else None}
     if cfg.bandwidth_bytes:
-        from quasar.bench.bandwidth import measure_read_bandwidth
-
         env["bandwidth"] = measure_read_bandwidth(cfg.bandwidth_bytes, threads=threads)
     return env
 
@@ -231,16 +230,12 @@ def _run_servers(cfg: ServingConfig, prompts: list[ServingPrompt], threads: int,
 
 def run_serving(cfg: ServingConfig) -> dict:
     """Run the serving protocol; returns the content of serving.json."""
-    import torch
-
     cfg.validate()
     started = _dt.datetime.now(_dt.timezone.utc)
     prompts = serving_prompts(cfg)
     if not prompts:
         raise QuasarError("no prompts to send")
     threads = cfg.threads or torch.get_num_threads()
-    from quasar.bench.runner import gguf_source
-
     gguf, why_no_gguf = gguf_source(cfg)
     binary, why_no_binary = None, ""
     if any(s != "quasar" for s in cfg.servers):

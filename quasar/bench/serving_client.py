@@ -50,7 +50,7 @@ class RequestResult:
 
 def make_client(base_url: str):
     try:
-        import openai
+        import openai  # lazy: optional dependency (the serving protocol's client)
     except ModuleNotFoundError:
         raise QuasarError("the serving protocol needs the openai client: pip install openai") from None
     # no retries: a failed request is a result, not something to paper over

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from quasar.bench.report import output_folder
 from quasar.fileio import write_atomic
 
 SERVING_JSON = "serving.json"
@@ -77,8 +78,6 @@ def render_markdown(results: dict) -> str:
 
 
 def write_serving(results: dict, out_dir: str | Path) -> dict[str, Path]:
-    from quasar.bench.report import output_folder
-
     out = output_folder(out_dir)
     paths = {"json": out / SERVING_JSON, "markdown": out / SERVING_MD}
     write_atomic(paths["json"], to_json(results) + "\n")

@@ -4,7 +4,7 @@ starting one on a free loopback port, waiting until it answers `/health`, and st
 
 Every server gets the same model file, the same threads, a context large enough for every
 prompt and room for the protocol's highest concurrency. llama-server is the binary that
-`scripts/install_llamacpp.sh` builds next to the virtualenv's Python; a missing one makes
+`scripts/setup/install_llamacpp.sh` builds next to the virtualenv's Python; a missing one makes
 its servers unavailable (`engine.Unavailable`), as for the in-process peers.
 """
 
@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -48,8 +49,6 @@ def _die_with_parent() -> None:
 def sigterm_as_interrupt():
     """SIGTERM (e.g. `timeout`, a job scheduler) raises KeyboardInterrupt while inside, so the
     finally blocks that stop the servers run; Python's default would exit without them."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -83,7 +82,7 @@ class ServerSpec:
 
 
 def default_llama_server() -> Path:
-    """Where scripts/install_llamacpp.sh installs llama-server: beside this Python (the
+    """Where scripts/setup/install_llamacpp.sh installs llama-server: beside this Python (the
     virtualenv's bin folder; the link itself, not the interpreter it points to)."""
     return Path(sys.executable).parent / "llama-server"
 
@@ -92,7 +91,7 @@ def check_llama_server(path: str | Path | None) -> Path:
     """The llama-server binary to run, or Unavailable saying why not."""
     binary = Path(path).expanduser() if path else default_llama_server()
     if not binary.is_file():
-        raise Unavailable(f"no llama-server at {binary} (bash scripts/install_llamacpp.sh builds it)")
+        raise Unavailable(f"no llama-server at {binary} (bash scripts/setup/install_llamacpp.sh builds it)")
     if not os.access(binary, os.X_OK):
         raise Unavailable(f"{binary} is not executable")
     return binary

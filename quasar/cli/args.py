@@ -1,7 +1,8 @@
 """argparse pieces shared by the `quasar` subcommands (only argparse at import time).
 
-`quasar.cli` builds the parser from them and each area's `commands` module; keeping them
-here means no `commands` module imports the CLI that imports it.
+`quasar.cli.main` builds the parser from them and each command's registering module;
+keeping them here means no such module imports the main module that imports it. The
+option objects the flags become are built by quasar.cli.options, when a command runs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def positive_int(value: str) -> int:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a model directory")
+                   help="'default' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M, Q4_K_M), "
+                        "a .gguf file, or a model directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="float dtype of the float model (default auto: as stored, bf16 stays bf16; "
                         "the W8A8 verifier's float parts are always fp32)")
@@ -56,10 +58,3 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=DEFAULT_ADAPTIVE,
                    help="choose the draft length per step (up to k + 3) from recent acceptance")
 
-
-def draft_options(args: argparse.Namespace):
-    """The `DraftOptions` of add_decoding_args' flags, checked (a QuasarError names a bad one)."""
-    from quasar.speculative.options import DraftOptions
-
-    return DraftOptions(drafter=args.drafter, num_draft=args.num_draft, ngram_min=args.ngram_min,
-                        ngram_max=args.ngram_max, draft_budget=args.draft_budget, adaptive=args.adaptive)

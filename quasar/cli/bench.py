@@ -1,13 +1,12 @@
-"""`quasar bench`: argparse only at import time; the runner loads torch when run."""
+"""`quasar bench`: argparse only at import time; the command runs in quasar.cli.bench_run,
+imported when it runs."""
 
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 
+from quasar.cli.args import add_draft_args, add_model_args
 from quasar.defaults import DEFAULT_FIDELITY_TOKENS
-from quasar.errors import QuasarError
 
 DEFAULT_MODE_NAMES = ("ar-fp", "ar-w8a8", "ngram-fp", "quasar", "quasar-tree", "ngram-pruned")
 # The W4A8 verifier's modes (issue #34) run only when asked for: a second quantized verifier
@@ -20,6 +19,11 @@ TASK_NAMES = ("code", "summarization", "qa", "math", "chat")
 PROTOCOLS = ("engines", "serving")
 SERVER_NAMES = ("quasar", "llama-server", "llama-server-spec-default", "llama-server-ngram")
 
+
+HELP = "benchmark Quasar's modes against peers (tokens/s, speedup, acceptance, bandwidth floor)"
+DESCRIPTION = ("Same prompts, greedy, batch 1, warm-up, engines interleaved per prompt, median of repeats, "
+              "threads fixed. Writes report.md, results.json and PNG plots to --out. With --protocol serving, "
+              "times servers through the OpenAI API instead (serving.md, serving.json).")
 
 def _names(value: str, choices: tuple[str, ...], what: str, allow_none: bool) -> list[str]:
     items = [v.strip() for v in value.replace(" ", ",").split(",") if v.strip()]
@@ -36,13 +40,7 @@ def _names(value: str, choices: tuple[str, ...], what: str, allow_none: bool) ->
 
 
 def register(sub) -> None:
-    from quasar.cli.args import add_draft_args, add_model_args
-
-    p = sub.add_parser(
-        "bench", help="benchmark Quasar's modes against peers (tokens/s, speedup, acceptance, bandwidth floor)",
-        description="Same prompts, greedy, batch 1, warm-up, engines interleaved per prompt, median of repeats, "
-                    "threads fixed. Writes report.md, results.json and PNG plots to --out. With --protocol serving, "
-                    "times servers through the OpenAI API instead (serving.md, serving.json).")
+    p = sub.add_parser("bench", help=HELP, description=DESCRIPTION)
     add_model_args(p)
     p.add_argument("--tasks", default=",".join(TASK_NAMES),
                    type=lambda v: _names(v, TASK_NAMES, "task", False),
@@ -74,7 +72,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print results JSON to stdout instead of the summary")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
     _add_serving_args(p)
-    p.set_defaults(func=run_bench_command)
+    p.set_defaults(handler="quasar.cli.bench_run:run_bench_command")
 
 
 def _concurrency(value: str) -> list[int]:
@@ -102,56 +100,8 @@ def _add_serving_args(p) -> None:
                    type=lambda v: _names(v, SERVER_NAMES, "server", False),
                    help=f"serving: which servers, from {','.join(SERVER_NAMES)} (default: all)")
     p.add_argument("--llama-server", metavar="FILE", default=None,
-                   help="serving: the llama-server binary (default: the one scripts/install_llamacpp.sh puts "
+                   help="serving: the llama-server binary (default: the one scripts/setup/install_llamacpp.sh puts "
                         "in the virtualenv's bin folder)")
     p.add_argument("--quasar-serve-args", default="", metavar="ARGS",
                    help="serving: extra options for quasar serve, e.g. \"--verifier w4a8\" (default: none)")
 
-
-def _run_serving(args) -> int:
-    from quasar.bench.serving import ServingConfig, run_serving
-    from quasar.bench.serving_report import render_markdown, to_json, write_serving
-
-    if not args.bandwidth_gb > 0:
-        raise QuasarError(f"--bandwidth-gb must be positive, got {args.bandwidth_gb}")
-    cfg = ServingConfig(
-        model=args.model, gguf=args.gguf, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
-        n=args.n, max_tokens=args.max_new_tokens, concurrency=tuple(args.concurrency), servers=tuple(args.servers),
-        llama_server=args.llama_server, quasar_args=tuple(shlex.split(args.quasar_serve_args)),
-        warmup=args.warmup, bandwidth_bytes=int(args.bandwidth_gb * 2**30), out=args.out,
-        command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
-    )
-    results = run_serving(cfg)
-    paths = write_serving(results, args.out)
-    print(to_json(results) if args.json else render_markdown(results) + f"\nWrote {paths['markdown']} and "
-          f"{paths['json']}")
-    return 0
-
-
-def run_bench_command(args) -> int:
-    if args.protocol == "serving":
-        return _run_serving(args)
-    from quasar.bench.report import summary_text, to_json, write_outputs
-    from quasar.bench.runner import BenchConfig, run_bench
-
-    if not args.bandwidth_gb > 0:
-        raise QuasarError(f"--bandwidth-gb must be positive, got {args.bandwidth_gb}")
-    cfg = BenchConfig(
-        model=args.model, dtype=args.dtype, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
-        n=args.n, max_new_tokens=args.max_new_tokens, modes=args.modes, peers=args.peers, repeats=args.repeats,
-        warmup=args.warmup, num_draft=args.num_draft, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-        draft_budget=args.draft_budget, gguf=args.gguf, fidelity_tokens=args.fidelity_tokens,
-        bandwidth_bytes=int(args.bandwidth_gb * 2**30), progress=args.progress,
-        command="quasar " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "",
-    )
-    if args.prompts:  # fail on a bad file before loading anything heavy
-        from quasar.data.user_files import load_prompt_file
-
-        load_prompt_file(args.prompts)
-    results = run_bench(cfg)
-    paths = write_outputs(results, args.out)
-    if args.json:
-        print(to_json(results))
-    else:
-        print(summary_text(results, paths))
-    return 0

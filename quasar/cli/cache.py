@@ -5,13 +5,19 @@
 Without PATH, every entry under ``$QUASAR_CACHE`` (GGUF conversions, W8A8 and W4A8
 verifiers). One line per entry: ``ok``, ``unchecked`` (a directory outside the cache with no
 manifest: an older checkpoint or another tool's export) or ``DAMAGED`` with the first bad
-file; exit status 1 when any is damaged. Only argparse at import time.
+file; exit status 1 when any is damaged. Light to import (no torch): it runs in place.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
+
+from quasar.cache.entries import all_entries, discard
+from quasar.cache.manifest import read_manifest, verify
+from quasar.errors import QuasarError
+from quasar.paths import cache_root, in_cache
 
 
 def register(sub) -> None:
@@ -27,18 +33,11 @@ def register(sub) -> None:
                    help="cache entries or checkpoint directories (default: every entry under $QUASAR_CACHE)")
     v.add_argument("--delete", action="store_true",
                    help="remove damaged cache entries (each is rebuilt when next needed)")
-    v.set_defaults(func=run_verify)
+    v.set_defaults(handler="quasar.cli.cache:run_verify")
 
 
 def _verify_one(path, delete: bool) -> bool:
     """Check one directory and print its line; False when it is damaged."""
-    from pathlib import Path
-
-    from quasar.cache.entries import discard
-    from quasar.cache.manifest import read_manifest, verify
-    from quasar.errors import QuasarError
-    from quasar.paths import in_cache
-
     path = Path(path)
     if not path.is_dir():
         print(f"DAMAGED    {path}: not a directory")
@@ -62,9 +61,6 @@ def _verify_one(path, delete: bool) -> bool:
 
 
 def run_verify(args) -> int:
-    from quasar.cache.entries import all_entries
-    from quasar.paths import cache_root
-
     paths = args.paths or all_entries()
     if not paths:
         print(f"no cache entries under {cache_root()}", file=sys.stderr)

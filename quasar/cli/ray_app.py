@@ -110,7 +110,7 @@ def quasar_app(args: argparse.Namespace, **options):
     """The bound application of checked `quasar serve --replicas` options (`options`: Serve
     deployment options over `deployment_options`')."""
     settings = dict(vars(args), threads=replica_threads(args))  # no api_key given: a replica reads its $QUASAR_API_KEY
-    settings.pop("func", None)  # the CLI's handler: not an option
+    settings.pop("handler", None)  # the CLI's handler: not an option
     return QuasarReplica.options(**{**deployment_options(args), **options}).bind(settings)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+import socket
 
 from quasar.cli.args import add_decoding_args, add_model_args
 from quasar.defaults import DEFAULT_MAX_BATCH
@@ -125,19 +125,8 @@ def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("QUASAR_API_KEY") or None
 
 
-def warn_if_open(args: argparse.Namespace) -> None:
-    """Say so on stderr when a non-loopback address is served without an API key."""
-    from quasar.server.access import is_loopback  # starlette: not at argparse time
-
-    if not is_loopback(args.host) and api_key(args) is None:
-        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it "
-              "(by the host names of --allowed-hosts)", file=sys.stderr)
-
-
 def check_port(host: str, port: int) -> None:
     """Fail before the (slow) model load when the address cannot be bound."""
-    import socket
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:

@@ -5,22 +5,23 @@ Ray Serve replica (quasar.cli.ray_app) start the same way, so they answer alike.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from fastapi import FastAPI
 
+from quasar.api import DEFAULT_CONTEXT, LLM
+from quasar.cli.options import draft_options
+from quasar.cli.serve_args import allowed_hosts, api_key, names
+from quasar.engine.spec import VerifierSpec
+from quasar.server.access import is_loopback
 from quasar.server.app import create_app
 from quasar.server.metrics import ServerMetrics
-from quasar.cli.serve_args import allowed_hosts, api_key, names
 
 
 def engine_app(args: argparse.Namespace, metrics: ServerMetrics | None = None, progress: bool = False) -> FastAPI:
     """The app serving `args.model` with its engine started and its default verifier built
     (bad weights fail here, and the first request does not wait for the build)."""
-    from quasar.api import DEFAULT_CONTEXT, LLM
-    from quasar.cli.args import draft_options
-    from quasar.engine.verifiers import canonical_verifier
-
-    offered = [canonical_verifier(name) for name in names(args.verifiers)]
+    offered = [VerifierSpec.parse(name) for name in names(args.verifiers)]
     llm = LLM(args.model, dtype=args.dtype, draft=draft_options(args), verifier=args.verifier,
               max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads, max_batch=args.max_batch)
     args.verifier = llm.verifier  # the default resolved (a quantized checkpoint's own kind)
@@ -45,3 +46,10 @@ def describe(app: FastAPI, args: argparse.Namespace) -> str:
 
 def url(host: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+
+def warn_if_open(args: argparse.Namespace) -> None:
+    """Say so on stderr when a non-loopback address is served without an API key."""
+    if not is_loopback(args.host) and api_key(args) is None:
+        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use it "
+              "(by the host names of --allowed-hosts)", file=sys.stderr)

@@ -5,6 +5,7 @@ replicas take, no dashboard, a small object store: requests and replies are smal
 down with it; with one, the command joins that cluster and removes its application on exit.
 Ray's HTTP proxy listens on --host:--port and runs the conversation-key middleware
 (quasar.server.affinity) when Ray was started with its callback set: a local instance is.
+Ray is imported at the top: `quasar serve` imports this module only with --replicas.
 """
 
 from __future__ import annotations
@@ -15,25 +16,16 @@ import signal
 import sys
 import threading
 
+import ray
+from ray import serve
+
+from quasar.cli.ray_app import APP_NAME, quasar_app, replica_threads
+from quasar.cli.serve_args import api_key, check_port
+from quasar.cli.serve_launch import url, warn_if_open
 from quasar.errors import QuasarError
 from quasar.server.affinity import PROXY_CALLBACK, PROXY_CALLBACK_ENV
-from quasar.cli.serve_launch import url
-from quasar.cli.serve_args import api_key, check_port, warn_if_open
 
-RAY_EXTRA = "pip install 'quasar-llm[ray]'"
 OBJECT_STORE_BYTES = 128 * 1024 * 1024
-
-
-def import_ray():
-    """`ray` and `ray.serve`, or a one-line QuasarError naming the extra that installs them."""
-    try:
-        import ray
-        from ray import serve
-    except ImportError as e:
-        missing = getattr(e, "name", None) or "ray"
-        raise QuasarError(f"'quasar serve --replicas' needs Ray Serve ({missing} is not installed): "
-                          f"{RAY_EXTRA}") from None
-    return ray, serve
 
 
 def start_ray(ray, args: argparse.Namespace, cpus: int) -> None:
@@ -72,9 +64,6 @@ def wait_for_signal() -> None:
 
 
 def run_replicas(args: argparse.Namespace) -> int:
-    ray, serve = import_ray()
-    from quasar.cli.ray_app import APP_NAME, quasar_app, replica_threads
-
     args.api_key = api_key(args)  # this shell's $QUASAR_API_KEY, which a joined cluster's replicas lack
     warn_if_open(args)
     most = args.max_replicas or args.replicas

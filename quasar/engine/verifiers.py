@@ -1,47 +1,20 @@
-"""Verifier models built from the float model: `fp`, `w8a8`, `w4a8`, `pruned:F`.
+"""The float model's shallower verifier, `pruned:F`, and what a verifier's step reads.
 
-Each verifier is its own Transformer (its own KV cache); `pruned:F` shares the float
-model's weights, `w8a8` is an int8 copy of the same module tree, `w4a8` one with 4-bit
-layers where the model's file has them (quasar.engine.w4a8_verifier), `w4a8-small` the same
-with fewer bytes a step and less fidelity (quasar.quant.w4a8_layouts).
+Each verifier is its own Transformer (its own KV cache, quasar.engine.engine); `pruned:F`
+shares the float model's weights, `w8a8` is an int8 copy of the same module tree
+(quasar.engine.w8a8_verifier), `w4a8` one with 4-bit layers where the model's file has them
+(quasar.engine.w4a8_verifier), `w4a8-small` the same with fewer bytes a step and less
+fidelity (quasar.quant.w4a8_layouts).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
 
 from torch import nn
 
-from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
-
-VERIFIERS = ("fp", "w8a8", "w4a8", "w4a8-small", "pruned:F")
-QUANTIZED = ("w8a8", "w4a8", "w4a8-small")  # built from the model file, never from the float model
-
-
-def parse_verifier(name: str) -> tuple[str, float | None]:
-    """'fp' -> ('fp', None); 'pruned:0.5' -> ('pruned', 0.5); anything else is an error."""
-    if name == "fp" or name in QUANTIZED:
-        return name, None
-    if name.startswith("pruned:"):
-        try:
-            frac = float(name.split(":", 1)[1])
-        except ValueError:
-            frac = -1.0
-        if not 0.0 < frac <= 1.0:
-            raise QuasarError(f"pruned verifier needs a fraction in (0, 1], e.g. pruned:0.5; got {name!r}",
-                              param="verifier")
-        return "pruned", frac
-    raise QuasarError(f"unknown verifier {name!r}; choose one of {', '.join(VERIFIERS)}", param="verifier")
-
-
-def canonical_verifier(name: str) -> str:
-    """The one spelling of verifier `name`: 'pruned:0.50', 'pruned:5e-1' -> 'pruned:0.5'.
-    Verifiers are kept by name, so two spellings of one must not build two models."""
-    kind, frac = parse_verifier(name)
-    return kind if frac is None else f"pruned:{frac:.15g}"
 
 
 def kept_layers(n_layers: int, fraction: float) -> list[int]:
@@ -64,19 +37,6 @@ def pruned_model(model: Transformer, fraction: float) -> Transformer:
     pruned.config = dataclasses.replace(model.config, num_layers=len(keep), layer_ids=keep)
     pruned.cache = None
     return pruned
-
-
-def build_verifier(name: str, float_model: Callable[[], Transformer],
-                   quantized: dict[str, Callable[[], Transformer]]) -> Transformer:
-    """The verifier `name`; `float_model` is called only for the verifiers built from the
-    float weights (fp, pruned:F), so a quantized verifier (`quantized[name]`, w8a8 and w4a8)
-    never makes them load."""
-    kind, frac = parse_verifier(name)
-    if kind == "fp":
-        return float_model()
-    if kind == "pruned":
-        return pruned_model(float_model(), frac)
-    return quantized[kind]()
 
 
 def model_bytes(model: Transformer) -> int:

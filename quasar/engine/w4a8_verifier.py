@@ -38,17 +38,33 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
 from torch import nn
+from tqdm import tqdm
 
+from quasar.cache.entries import lookup
+from quasar.cache.keys import file_key
+from quasar.engine import w8a8_verifier
 from quasar.errors import QuasarError
+from quasar.fileio import atomic_dir
+from quasar.models.config import ModelConfig
+from quasar.models.gguf import _hf_name, _unpermute
+from quasar.models.gguf_groups import int4_groups, is_int4_type
+from quasar.models.hf import build_model, load_hf_dir
 from quasar.models.llama import Transformer
 from quasar.models.loader import gguf_file
+from quasar.models.tensors import SafetensorsSource
+from quasar.quant import quantize
+from quasar.quant.checkpoint import ShardWriter
+from quasar.quant.options import QuantOptions
+from quasar.quant.sequential import float_layer
+from quasar.quant.w4a8_checkpoint import EXACT_HEAD, REFINED_HEAD, w4a8_config_of
+from quasar.quant.w4a8_checkpoint import FORMAT_VERSION as W4A8_FORMAT_VERSION
+from quasar.quant.w4a8_layouts import FAITHFUL, SMALL, check_layout
 from quasar.runtime.exact_head import ExactTopHead
-from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.refined_head import DEFAULT_TOP_K, RefinedHead
 from quasar.runtime.w4a8 import W4A8Linear
-from quasar.quant.w4a8_checkpoint import EXACT_HEAD, REFINED_HEAD
-from quasar.quant.w4a8_layouts import FAITHFUL, SMALL, check_layout
+from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.w4a8_numerics import W4A8_GROUP as GROUP  # the verifier's group size
 from quasar.runtime.w4a8_numerics import fit_weight_w4_affine
 
@@ -86,11 +102,6 @@ def gguf_int4_groups(path: Path, cfg) -> dict[str, Callable[[], tuple]]:
     [out, in / 32])} for every 4-bit matrix of GGUF file `path`, rows in Hugging Face order
     (llama.cpp's Q/K row permutation undone for llama-family models; `cfg` is the model's
     ModelConfig). Each is unpacked only when asked for, so a build holds one at a time."""
-    from gguf import GGUFReader
-
-    from quasar.models.gguf import _hf_name
-    from quasar.models.gguf_groups import is_int4_type
-
     reader = GGUFReader(path)
     out = {}
     for t in reader.tensors:
@@ -101,9 +112,6 @@ def gguf_int4_groups(path: Path, cfg) -> dict[str, Callable[[], tuple]]:
 
 
 def _read_groups(t, cfg) -> tuple:
-    from quasar.models.gguf import _unpermute
-    from quasar.models.gguf_groups import int4_groups
-
     groups = int4_groups(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
     role = t.name.split(".")[2:3]
     if cfg.model_type in ("llama", "mistral") and role in (["attn_q"], ["attn_k"]):
@@ -120,18 +128,14 @@ def cache_path(loaded, layout: str = FAITHFUL) -> Path:
     """The cache entry of `loaded`'s W4A8 verifier in `layout`, keyed like W8A8's (the model
     directory's identity, quasar.engine.w8a8_verifier.cache_key) and by the GGUF file its 4-bit groups
     are read from, the layout's recipe and the W4A8 format."""
-    from quasar.cache.keys import file_key
-    from quasar.engine import w8a8_verifier as verifier
-    from quasar.quant.w4a8_checkpoint import FORMAT_VERSION
-
     # Not groups_source: the GGUF's content (in the key) decides which way it is built.
     gguf = gguf_source(loaded)
-    key: dict = {"gguf": file_key(gguf) if gguf is not None else None, "w4a8_format": FORMAT_VERSION}
+    key: dict = {"gguf": file_key(gguf) if gguf is not None else None, "w4a8_format": W4A8_FORMAT_VERSION}
     if gguf is not None:
         key["recipe"] = RECIPES[check_layout(layout)]
     if gguf is None or layout == FAITHFUL:  # calibrated (a float model): the pipeline's options count too
         key["options"] = float_source_options(layout).cache_key(None)
-    return verifier.cache_path(Path(loaded.model_dir), torch.float32, key, kind="w4a8")
+    return w8a8_verifier.cache_path(Path(loaded.model_dir), torch.float32, key, kind="w4a8")
 
 
 def w4a8_verifier(loaded, *, cache: bool = True, layout: str = FAITHFUL) -> Transformer:
@@ -140,9 +144,6 @@ def w4a8_verifier(loaded, *, cache: bool = True, layout: str = FAITHFUL) -> Tran
     cache when built before, else written there part by part (``write_w4a8_checkpoint``) and
     loaded from it, memory-mapped. Without a cache, or when it cannot be written (a read-only
     or full disk only warns), built in memory (``build_w4a8``)."""
-    from quasar.cache.entries import lookup
-    from quasar.models.hf import load_hf_dir
-
     if loaded.quantized:
         if loaded.quant_kind != "w4a8":
             raise QuasarError(f"{loaded.source} is a W8A8 checkpoint; the w4a8 verifier needs the float model "
@@ -166,8 +167,6 @@ def float_source_options(layout: str = FAITHFUL):
     """How a float directory becomes the W4A8 verifier: the sequential pipeline's defaults
     (rotation, GPTQ, the built-in calibration text) with 4-bit layers; in the faithful layout
     the tensors llama.cpp's Q4_K_M keeps wider stay int8 (quasar.quant.w4a8_layouts)."""
-    from quasar.quant.options import QuantOptions
-
     return QuantOptions(weight_bits=4, w4_layout=check_layout(layout))
 
 
@@ -179,15 +178,10 @@ def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = Fal
     config.json. A GGUF source's config records `info` (e.g. the source); a float directory is
     calibrated instead (`options`, default ``float_source_options()``; `calib_text` replaces
     the built-in corpus), and its config records those options, as a W8A8 checkpoint does."""
-    from quasar.fileio import atomic_dir
-    from quasar.quant.checkpoint import ShardWriter
-
     if groups_source(loaded, layout) is None:
-        from quasar.quant.quantize import quantize_to_dir
-
-        return quantize_to_dir(loaded.weights_dir(), loaded.tokenizer, out,
-                               options=options or float_source_options(layout), calib_text=calib_text,
-                               progress=progress, exist_ok=exist_ok)
+        return quantize.quantize_to_dir(loaded.weights_dir(), loaded.tokenizer, out,
+                                        options=options or float_source_options(layout), calib_text=calib_text,
+                                        progress=progress, exist_ok=exist_ok)
     written: dict = {}
 
     def fill(tmp: Path) -> None:
@@ -202,15 +196,9 @@ def write_w4a8_checkpoint(loaded, out: Path, info: dict, *, exist_ok: bool = Fal
 def build_w4a8(loaded, layout: str = FAITHFUL) -> Transformer:
     """The W4A8 Transformer of `loaded` (a float directory or GGUF file), built in memory
     (RECIPES[layout]; ``write_w4a8_checkpoint`` streams the same tensors to disk)."""
-    from quasar.models.config import ModelConfig
-    from quasar.models.hf import build_model
-
     if groups_source(loaded, layout) is None:
-        from quasar.models.tensors import SafetensorsSource
-        from quasar.quant.quantize import build_w8a8
-
-        return build_w8a8(SafetensorsSource(loaded.weights_dir()), loaded.tokenizer, cfg=loaded.config,
-                          options=float_source_options(layout), progress=False)
+        return quantize.build_w8a8(SafetensorsSource(loaded.weights_dir()), loaded.tokenizer, cfg=loaded.config,
+                                   options=float_source_options(layout), progress=False)
     tensors: dict[str, torch.Tensor] = {}
     config = _w4a8_parts(loaded, tensors.update, {"source": str(loaded.source)}, layout=layout)
     return build_model(ModelConfig.from_hf(config), tensors, "w4a8", torch.float32, config["quantization_config"])
@@ -222,12 +210,6 @@ def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool
     Face names) part by part into `sink`: the embeddings, each decoder layer (read from the
     memory-mapped float weights, its linears replaced as RECIPES[layout] says), the final norm
     with the head. Returns the config.json."""
-    from tqdm import tqdm
-
-    from quasar.models.tensors import SafetensorsSource
-    from quasar.quant.sequential import float_layer
-    from quasar.quant.w4a8_checkpoint import w4a8_config_of
-
     cfg, faithful = loaded.config, check_layout(layout) == FAITHFUL
     source = SafetensorsSource(loaded.weights_dir())
     groups = gguf_int4_groups(gguf_source(loaded), cfg)

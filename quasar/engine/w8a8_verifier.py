@@ -23,10 +23,16 @@ import torch
 
 from quasar.cache.entries import entry_path, lookup
 from quasar.cache.keys import dir_key
+from quasar.data.user_files import read_text_file
 from quasar.errors import QuasarError
+from quasar.models.hf import load_hf_dir
 from quasar.models.llama import Transformer
+from quasar.models.tensors import SafetensorsSource
 from quasar.paths import cache_dir
+from quasar.quant import quantize
+from quasar.quant.checkpoint import FORMAT_VERSION
 from quasar.quant.options import QuantOptions
+from quasar.runtime.w8a8 import set_backend
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -51,8 +57,6 @@ def model_identity(model_dir: Path) -> list:
 
 
 def cache_key(model_dir: Path, dtype: torch.dtype, key: dict) -> str:
-    from quasar.quant.checkpoint import FORMAT_VERSION
-
     blob = json.dumps({"model": model_identity(model_dir), "dtype": str(dtype), "options": key,
                        "format": FORMAT_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -69,8 +73,6 @@ def _calib_text(calib: str | Path | None) -> tuple[str | None, str | None]:
     """(text, sha256) of a user calibration file, or (None, None) for the built-in corpus."""
     if calib is None:
         return None, None
-    from quasar.data.user_files import read_text_file
-
     text = read_text_file(calib)
     return text, hashlib.sha256(text.encode()).hexdigest()
 
@@ -85,8 +87,6 @@ def w8a8_verifier(loaded, options: QuantOptions | None = None, *, cache: bool = 
     default model) straight into the cache; later calls with the same model and options
     load that checkpoint. The float model is never loaded for this.
     """
-    from quasar.quant.quantize import build_w8a8, quantize_to_dir
-
     options = options or QuantOptions()
     model_dir = Path(loaded.model_dir)
     if loaded.quantized:
@@ -107,28 +107,22 @@ def w8a8_verifier(loaded, options: QuantOptions | None = None, *, cache: bool = 
         if model is not None:
             return model
         try:
-            quantize_to_dir(loaded.weights_dir(), loaded.tokenizer, target, exist_ok=True,
-                            announce=f"quantizing the model to W8A8 layer by layer, once (cached in {target})",
-                            **build)
+            quantize.quantize_to_dir(loaded.weights_dir(), loaded.tokenizer, target, exist_ok=True,
+                                     announce=f"quantizing the model to W8A8 layer by layer, once (cached in {target})",
+                                     **build)
             return _load(target, dtype, options.backend)
         except OSError as e:  # a read-only or full cache must not stop decoding
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"warning: could not cache the W8A8 model ({why}); building it in memory", file=sys.stderr)
-    from quasar.models.tensors import SafetensorsSource
-
-    return build_w8a8(SafetensorsSource(loaded.weights_dir()), loaded.tokenizer, cfg=loaded.config, dtype=dtype,
-                      **build)
+    return quantize.build_w8a8(SafetensorsSource(loaded.weights_dir()), loaded.tokenizer, cfg=loaded.config,
+                               dtype=dtype, **build)
 
 
 def _load(target: Path, dtype: torch.dtype, backend: str) -> Transformer:
-    from quasar.models.hf import load_hf_dir
-
     return _with_backend(load_hf_dir(target, dtype), backend)
 
 
 def _with_backend(model: Transformer, backend: str) -> Transformer:
-    from quasar.runtime.w8a8 import set_backend
-
     if backend != "auto":
         set_backend(model, backend)
     return model

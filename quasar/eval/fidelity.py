@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from quasar.data.calibration import calibration_texts
 from quasar.data.user_files import read_text_file
@@ -95,8 +96,6 @@ def compare_logits(reference: LogitsFn, candidates: dict[str, LogitsFn], token_i
                    progress: bool = False) -> dict[str, dict]:
     """Score ``token_ids`` over sliding windows with the reference and every candidate (the
     reference once per window); {candidate: its metrics against the reference}."""
-    from tqdm import tqdm
-
     ids = list(token_ids)
     if len(ids) < 2:
         raise QuasarError(f"fidelity needs at least 2 tokens of text, got {len(ids)}")

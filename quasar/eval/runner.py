@@ -16,6 +16,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from tqdm import tqdm
+
+from quasar.engine.spec import VerifierSpec
 from quasar.errors import QuasarError
 from quasar.eval.fidelity import DEFAULT_WINDOW, fidelity_text, run_fidelity
 from quasar.fileio import write_atomic
@@ -24,13 +27,11 @@ from quasar.eval.tasks import FIDELITY, TASKS, EvalConfig, ppl_window
 
 def parse_verifiers(spec: str) -> list[str]:
     """'fp,w8a8' -> ['fp', 'w8a8']: one verifier, or two to compare (the first is the baseline)."""
-    from quasar.engine.verifiers import parse_verifier
-
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not 1 <= len(names) <= 2 or len(set(names)) != len(names):
         raise QuasarError(f"--verifiers takes one or two different verifiers, e.g. fp,w8a8; got {spec!r}")
     for name in names:
-        parse_verifier(name)
+        VerifierSpec.parse(name)
     return names
 
 
@@ -109,8 +110,6 @@ class Runner:
         return s
 
     def say(self, msg: str) -> None:
-        from tqdm import tqdm
-
         tqdm.write(msg, file=self.log)
 
     def run(self) -> dict:
@@ -134,8 +133,6 @@ class Runner:
         return self.results
 
     def _run_task(self, name: str) -> dict:
-        from tqdm import tqdm
-
         task = TASKS[name]
         items = task.load(self.llm, self.cfg)
         metrics, records = {}, {}

@@ -22,7 +22,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from quasar.data import datasets
+from quasar.data.calibration import calibration_texts
+from quasar.data.user_files import read_text_records
 from quasar.errors import QuasarError
+from quasar.eval.executor import check_humaneval
 from quasar.eval.windows import default_stride, sliding_windows
 
 # --------------------------------------------------------------------------- settings
@@ -182,9 +186,6 @@ class Window:
 
 
 def _ppl_sources(cfg: EvalConfig) -> dict[str, list[str]]:
-    from quasar.data.calibration import calibration_texts
-    from quasar.data.user_files import read_text_records
-
     if cfg.text_file:
         return {Path(cfg.text_file).name: read_text_records(cfg.text_file)}
     return {name: [text] for name, text in calibration_texts(part="heldout").items() if text.strip()}
@@ -253,9 +254,7 @@ class ChoiceItem:
 
 
 def load_mmlu(llm, cfg: EvalConfig) -> list[ChoiceItem]:
-    from quasar.data.datasets import load_mmlu as load
-
-    pool, items = _split_pool(load(), cfg, "mmlu")
+    pool, items = _split_pool(datasets.load_mmlu(), cfg, "mmlu")
     shots = "".join(_mmlu_block(s, True) + "\n\n" for s in pool[:cfg.shots])
     return [ChoiceItem(MMLU_HEADER + shots + _mmlu_block(it, False),
                        [f" {_LETTERS[i]}" for i in range(len(it.options))], it.answer_index,
@@ -271,9 +270,7 @@ def _boolq_block(item, with_answer: bool) -> str:
 
 
 def load_boolq(llm, cfg: EvalConfig) -> list[ChoiceItem]:
-    from quasar.data.datasets import load_boolq as load
-
-    pool, items = _split_pool(load(), cfg, "boolq")
+    pool, items = _split_pool(datasets.load_boolq(), cfg, "boolq")
     shots = "".join(_boolq_block(s, True) + "\n\n" for s in pool[:cfg.shots])
     return [ChoiceItem(shots + _boolq_block(it, False), [" yes", " no"], 0 if it.answer else 1) for it in items]
 
@@ -338,14 +335,10 @@ def _generation_stats(records: list[dict]) -> dict:
 
 
 def load_humaneval(llm, cfg: EvalConfig) -> list[dict]:
-    from quasar.data.datasets import load_humaneval as load
-
-    return load(cfg.limit_for("humaneval"))
+    return datasets.load_humaneval(cfg.limit_for("humaneval"))
 
 
 def run_humaneval(llm, verifier: str, problem: dict, cfg: EvalConfig) -> dict:
-    from quasar.eval.executor import check_humaneval
-
     # The prompts end in "\n", but BPE tokenizers merge a newline with the next line's
     # indentation ("\n    " is one token): a prompt ending in a bare "\n" token is
     # off-distribution (SmolLM2 then closes the code block). Feed it without trailing
@@ -386,9 +379,7 @@ def parse_last_number(text: str) -> float | None:
 
 
 def load_asdiv(llm, cfg: EvalConfig) -> list:
-    from quasar.data.datasets import load_asdiv as load
-
-    return _spread(load(), cfg.limit_for("asdiv"))
+    return _spread(datasets.load_asdiv(), cfg.limit_for("asdiv"))
 
 
 def run_asdiv(llm, verifier: str, item, cfg: EvalConfig) -> dict:

@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader, dequantize
+from safetensors.torch import save_file
 
 from quasar.cache.entries import entry_path, lookup
 from quasar.cache.keys import file_key
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.models.gguf_groups import is_int4_type
+from quasar.models.hf_files import check_manifest
 from quasar.paths import cache_dir
 
 # GGUF architecture -> Hugging Face model_type
-GGUF_ARCHES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -42,6 +46,11 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms each sub-block's input and output: its `ffn_norm` is the MLP's input norm, and
+# Hugging Face's post_attention_layernorm the attention's output norm (`post_attention_norm`).
+ARCH_LAYER_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+                               "post_attention_norm": "post_attention_layernorm",
+                               "post_ffw_norm": "post_feedforward_layernorm"}}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 DEQUANT_CHUNK_VALUES = 1 << 22  # values dequantized per call (16 MB of float32)
 # Part of the key: raise it when the conversion's output changes, so older entries are not used.
@@ -61,8 +70,6 @@ def gguf_to_hf_dir(path: Path, weights: bool = False) -> Path:
     """Return the cached float HF directory for `path`, converting on first use. The entry is
     checked against its manifest (the config and tokenizer; the weights too with `weights`);
     a damaged one is converted again, with a one-line warning."""
-    from quasar.models.hf import check_manifest
-
     target = cache_dir_for(path)
     if lookup(target, lambda d: check_manifest(d, weights), "GGUF conversion") is None:
         reader = _reader(path)
@@ -76,8 +83,6 @@ def _float_bytes(reader) -> int:
 
 
 def _reader(path: Path):
-    from gguf import GGUFReader
-
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises assorted errors on damaged files
@@ -107,7 +112,8 @@ def _config(reader, path: Path, has_output: bool) -> dict:
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     cfg = {
         "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}[arch]],
         "model_type": GGUF_ARCHES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
@@ -126,7 +132,31 @@ def _config(reader, path: Path, has_output: bool) -> dict:
         value = _field(reader, key)
         if value is not None:
             cfg[hf] = int(value)
+    if arch == "gemma3":  # GELU, named by its own key
+        del cfg["hidden_act"]
+        cfg.update(_gemma3_config(reader, cfg, int(get("attention.sliding_window"))))
     return cfg
+
+
+def _gemma3_config(reader, cfg: dict, window: int) -> dict:
+    """Gemma 3's keys that llama.cpp fixes rather than stores: every sixth layer global, the
+    rest sliding over `window`; the sliding layers' RoPE base 10000; the query scale
+    1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer 27B. The global layers'
+    RoPE scaling and end-of-turn token are read where the file has them."""
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    out = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
+           "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)],
+           "rope_local_base_freq": 10000.0,
+           "query_pre_attn_scalar": hidden // heads if layers == 62 else cfg["head_dim"]}
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")  # <end_of_turn> ends a chat turn, where the file says so
+    if eot is not None and "eos_token_id" in cfg and int(eot) != cfg["eos_token_id"]:
+        out["eos_token_id"] = [cfg["eos_token_id"], int(eot)]
+    kind, factor = _field(reader, "gemma3.rope.scaling.type"), _field(reader, "gemma3.rope.scaling.factor")
+    if kind == "linear" and factor:
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    elif kind not in (None, "none"):
+        raise QuasarError(f"unsupported Gemma 3 RoPE scaling {kind!r} in the GGUF metadata (supported: linear)")
+    return out
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -135,11 +165,13 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _hf_name(t, path: Path) -> str | None:
-    """The Hugging Face name of GGUF tensor `t`; None for one that is rebuilt from the config."""
+def _hf_name(t, path: Path, arch: str | None = None) -> str | None:
+    """The Hugging Face name of GGUF tensor `t` of a file of architecture `arch` (None: a
+    Llama-family name, right for every arch's linear layers); None for one that is rebuilt
+    from the config."""
     parts = t.name.split(".")
     if parts[0] == "blk":
-        base = LAYER_NAMES.get(parts[2])
+        base = ARCH_LAYER_NAMES.get(arch, {}).get(parts[2]) or LAYER_NAMES.get(parts[2])
         if base is None:
             raise QuasarError(f"{path}: unexpected tensor {t.name}")
         return f"model.layers.{parts[1]}.{base}.{parts[3]}"
@@ -155,8 +187,9 @@ def _shard_groups(reader, path: Path) -> list[list[tuple[str, object]]]:
     other tensor (embeddings, final norm, lm_head), in file order. A shard is what the
     conversion holds in float32 at once."""
     groups: dict[str, list[tuple[str, object]]] = {}
+    arch = _field(reader, "general.architecture")
     for t in reader.tensors:
-        name = _hf_name(t, path)
+        name = _hf_name(t, path, arch)
         if name is not None:
             unit = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
             groups.setdefault(unit, []).append((name, t))
@@ -169,8 +202,6 @@ def _dequantized(t, cfg: dict, path: Path) -> torch.Tensor:
     Matrices are dequantized a block of rows at a time into the result: the dequantizer's
     temporaries are a few times the size of what it is given, which for a large embedding
     table would be gigabytes."""
-    from gguf import dequantize
-
     shape = [int(d) for d in reversed(t.shape)]
     try:
         if len(shape) == 2 and t.data.ndim == 2:
@@ -187,14 +218,14 @@ def _dequantized(t, cfg: dict, path: Path) -> torch.Tensor:
             and parts[3] == "weight"):
         heads = cfg["num_attention_heads"] if parts[2] == "attn_q" else cfg["num_key_value_heads"]
         w = _unpermute(w, heads)
+    if cfg["model_type"] == "gemma3_text" and t.name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp stores Gemma's norms as 1 + w; Hugging Face's hold w
     return torch.from_numpy(np.ascontiguousarray(w))
 
 
 def _write_weights(reader, cfg: dict, path: Path, out: Path) -> None:
     """Sharded float32 safetensors plus their index, dequantizing one shard at a time, so the
     conversion never holds more than one layer (or one embedding matrix) in float."""
-    from safetensors.torch import save_file
-
     groups = _shard_groups(reader, path)
     weight_map, total = {}, 0
     for i, group in enumerate(groups, 1):
@@ -209,9 +240,7 @@ def _write_weights(reader, cfg: dict, path: Path, out: Path) -> None:
 
 
 def _save_tokenizer(path: Path, out: Path) -> None:
-    import logging
-
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers takes seconds to import; only a conversion needs it
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:

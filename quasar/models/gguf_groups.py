@@ -19,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QuantType
+from gguf import GGUFReader
+from gguf.quants import Q4_K
 
 from quasar.errors import QuasarError
 
@@ -27,9 +30,7 @@ GROUP = 32  # weights per group in every 4-bit GGUF type read here
 
 def is_int4_type(tensor_type) -> bool:
     """Whether ``int4_groups`` reads tensors of this GGUF type (Q4_0, Q4_1, Q4_K)."""
-    from gguf import GGMLQuantizationType as T
-
-    return tensor_type in (T.Q4_0, T.Q4_1, T.Q4_K)
+    return tensor_type in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4_K)
 
 
 def stores_int4(path: Path) -> bool:
@@ -41,8 +42,6 @@ def stores_int4(path: Path) -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _stores_int4(path: str, size: int, mtime_ns: int) -> bool:
-    from gguf import GGUFReader
-
     return any(is_int4_type(t.tensor_type) for t in GGUFReader(path).tensors)
 
 
@@ -52,23 +51,20 @@ def int4_groups(data: np.ndarray, tensor_type, shape: tuple[int, int]):
     [rows, cols]); None for a type with no 4-bit form. Rows are in the file's order:
     llama.cpp permutes a llama model's Q and K rows, and ``gguf._unpermute`` undoes that on
     q, scale and offset alike."""
-    from gguf import GGMLQuantizationType as T
-    from gguf.quants import Q4_K
-
     rows, cols = shape
     if cols % GROUP:
         raise QuasarError(f"a 4-bit GGUF row of {cols} weights is not whole groups of {GROUP}")
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, -1)
-    if tensor_type == T.Q4_0:  # 18 bytes: d, 16 bytes of nibbles; w = d * (q - 8)
+    if tensor_type == QuantType.Q4_0:  # 18 bytes: d, 16 bytes of nibbles; w = d * (q - 8)
         b = blocks.reshape(rows, cols // 32, 18)
         d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
         return _nibbles(b[..., 2:], rows, cols, span=32), d, -8 * d
-    if tensor_type == T.Q4_1:  # 20 bytes: d, m, 16 bytes of nibbles; w = d * q + m
+    if tensor_type == QuantType.Q4_1:  # 20 bytes: d, m, 16 bytes of nibbles; w = d * q + m
         b = blocks.reshape(rows, cols // 32, 20)
         d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
         m = b[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
         return _nibbles(b[..., 4:], rows, cols, span=32), d, m
-    if tensor_type == T.Q4_K:  # 144 bytes a 256: d, dmin, 12 bytes of 6-bit scales and mins, nibbles
+    if tensor_type == QuantType.Q4_K:  # 144 bytes a 256: d, dmin, 12 bytes of 6-bit scales and mins, nibbles
         b = blocks.reshape(rows * cols // 256, 144)
         d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
         dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)

@@ -14,21 +14,14 @@ from pathlib import Path
 
 import torch
 
-from quasar.cache.manifest import verify
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
+from quasar.models.families import transformer
 from quasar.models.formats import quantized_format
+from quasar.models.hf_files import check_manifest, weight_files
+from quasar.models.layouts import layout_tensors
 from quasar.models.llama import Transformer, rope_inv_freq
 from quasar.models.safetensors_mmap import mmap_safetensors, tensor_entries
-
-
-def check_manifest(model_dir: Path, weights: bool = True) -> int | None:
-    """Check ``model_dir``'s files (without ``weights``: all but the safetensors) against its
-    manifest; the bytes checked, or None without one. A damaged file is a QuasarError naming it."""
-    from quasar.paths import in_cache
-
-    select = None if weights else (lambda rel: not rel.endswith(".safetensors"))
-    return verify(model_dir, required=in_cache(model_dir), select=select)
 
 
 def read_config(model_dir: Path) -> dict:
@@ -39,26 +32,6 @@ def read_config(model_dir: Path) -> dict:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise QuasarError(f"{path}: invalid JSON ({e})") from None
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise QuasarError(f"{index}: invalid shard index ({type(e).__name__}: {e})") from None
-        files = [model_dir / s for s in shards]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise QuasarError(f"{model_dir}: shard files listed in the index are missing: {', '.join(missing)}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
-        raise QuasarError(f"{model_dir}: only pickle weights (.bin/.pt) found; Quasar reads safetensors only")
-    raise QuasarError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
 def check_weight_files(model_dir: Path) -> None:
@@ -82,8 +55,9 @@ _QUANT_PARAMS = ("_scale", ".scales", ".offsets")
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
                 dtype: torch.dtype = torch.float32, quant_config: dict | None = None) -> Transformer:
     """Instantiate the decoder and fill it from `tensors` (HF names), strictly."""
+    tensors = layout_tensors(cfg, tensors)  # fused or renamed tensors of some families, as Llama's
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = transformer(cfg)
     if quant_config is not None:
         quantized_format(quant_config, source)(model, quant_config, tensors)
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from quasar.defaults import DEFAULT_ROW_COST
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
+from quasar.models.moe import SparseMoE
 from quasar.models.rows import Rows
 
 # Steps of up to this many tokens (decode and verifier steps, not long prefills) compute
@@ -121,12 +122,23 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    dim = cfg.head_dim
+def rope_inv_freq(cfg: ModelConfig, context: int | None = None) -> Tensor:
+    """RoPE's inverse frequencies [head_dim / 2]. With partial rotary, the rotated dimensions'
+    frequencies then zeros (cos 1, sin 0: the loader moves the passed-through dimensions
+    there, quasar.models.layouts). `context`: the positions the cache holds (LongRoPE's
+    factors depend on it; default the model's maximum)."""
+    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
+    if kind == "longrope":
+        # Phi-3: the long factors once the context exceeds the pretraining length, else the short
+        # ones (what transformers uses for a sequence of that length; its attention factor is
+        # folded into the q and k weights at load)
+        long = (context or cfg.max_position_embeddings) > int(scaling["original_max_position_embeddings"])
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        inv_freq = 1.0 / (factors * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the
@@ -140,12 +152,17 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         inv_freq = torch.where(is_mid, mid, scaled)
+    inv_freq = F.pad(inv_freq, (0, cfg.head_dim // 2 - inv_freq.shape[0]))
+    if cfg.rope_local_theta is not None:  # Gemma 3: [full-attention table, sliding-window table]
+        local = 1.0 / (cfg.rope_local_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = torch.stack([inv_freq, local])
     return inv_freq
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """RoPE's cos and sin [T, head_dim] at `positions`."""
-    freqs = torch.outer(positions.to(torch.float32), inv_freq)
+    """RoPE's cos and sin [T, head_dim] at `positions` ([tables, T, head_dim] for stacked
+    `inv_freq` [tables, head_dim / 2]: one per attention kind, see `Attention.rope_table`)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.unsqueeze(-2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -168,6 +185,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        # Gemma 3 (quasar.models.gemma3) sets these: the softmax scale (None: 1/sqrt(head_dim)),
+        # a sliding window (each query sees its last `window` keys), and which RoPE table of
+        # stacked cos/sin this layer takes.
+        self.scale: float | None = None
+        self.window: int | None = None
+        self.rope_table = 0
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, at: Rows | Prefill) -> Tensor:
         b, t, _ = x.shape
@@ -177,6 +200,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cos.dim() == 3:  # one table per attention kind
+            cos, sin = cos[self.rope_table], sin[self.rope_table]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         gqa = self.n_heads != self.n_kv_heads
@@ -186,12 +211,25 @@ class Attention(nn.Module):
             # the other rows of the step (W8A8 would turn float-rounding differences into int8
             # rounding flips).
             cache.write_rows(layer, at, k[0].transpose(0, 1), v[0].transpose(0, 1))
-            y = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], *cache.row_keys(layer, at, r, q.dtype),
-                                                          enable_gqa=gqa) for r in range(t)], dim=2)
+            y = torch.cat([F.scaled_dot_product_attention(q[:, :, r:r + 1], *self._window(
+                *cache.row_keys(layer, at, r, q.dtype)), enable_gqa=gqa, scale=self.scale) for r in range(t)], dim=2)
         else:
             k, v = cache.update(layer, at.slot, at.start, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=at.mask, enable_gqa=gqa)
+            mask = at.mask if self.window is None else window_mask(at.mask, at.start, self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def _window(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """A row's logical keys and values [1, kvh, n, d], the last `window` of them when it slides."""
+        return (k, v) if self.window is None else (k[:, :, -self.window:], v[:, :, -self.window:])
+
+
+def window_mask(mask: Tensor, start: int, window: int) -> Tensor:
+    """A causal prefill mask [T, start + T] (queries at start..start + T - 1) that also hides
+    keys `window` or more positions behind their query."""
+    queries = torch.arange(start, start + mask.shape[0], device=mask.device)
+    keys = torch.arange(mask.shape[1], device=mask.device)
+    return mask & (keys[None, :] > queries[:, None] - window)
 
 
 class MLP(nn.Module):
@@ -207,10 +245,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -225,15 +263,17 @@ class Body(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
+    body_class = Body  # a family with other layers (quasar.models.gemma3) brings its own
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Body(cfg)
+        self.model = self.body_class(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.cache: KVCache | None = None
@@ -271,6 +311,8 @@ class Transformer(nn.Module):
             self.cache = KVCache(len(self.model.layers), cfg.num_kv_heads, max_seq_len, cfg.head_dim,
                                  dtype, self.model.norm.weight.device, n_slots)
         self.cache.lengths = [0] * n_slots
+        if (cfg.rope_scaling or {}).get("rope_type") == "longrope":  # its factors follow the context
+            self.inv_freq = rope_inv_freq(cfg, max_seq_len).to(self.inv_freq.device)
         return self.cache
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

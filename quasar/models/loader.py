@@ -1,4 +1,5 @@
-"""Resolve a model source (`default`, a GGUF file, a Hugging Face directory) and open it.
+"""Resolve a model source (`default` or another packaged model's name, a GGUF file, a Hugging
+Face directory) and open it.
 
 Opening reads the config and the tokenizer only; the weights are loaded on first use of
 `LoadedModel.model`, so a caller that never needs them (decoding with a cached W8A8
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import torch
 
+from quasar.data.packages import packaged_model_path
 from quasar.defaults import DEFAULT_4BIT_VERIFIER, DEFAULT_VERIFIER
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
+from quasar.models.gguf import gguf_to_hf_dir
+from quasar.models.gguf_groups import stores_int4
 from quasar.models.hf import check_manifest, check_weight_files, load_hf_dir, read_config
 from quasar.models.llama import Transformer
 from quasar.models.tokenizer import Tokenizer
@@ -99,18 +103,13 @@ class LoadedModel:
 def resolve_model_dir(source: str | Path, weights: bool = False) -> Path:
     """Map a model source to a Hugging Face-format directory (converting GGUF once), checked
     against its manifest: all of it with ``weights``, else all but the weights."""
-    if str(source) == "default":
-        from quasar.data.packages import default_model_path
-
-        source = default_model_path()
+    source = packaged_model_path(source) or source
     path = Path(source).expanduser()
     if not path.exists():
         raise QuasarError(f"model not found: {path}")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise QuasarError(f"{path}: expected a .gguf file or a model directory")
-        from quasar.models.gguf import gguf_to_hf_dir
-
         return gguf_to_hf_dir(path, weights)
     check_manifest(path, weights)
     return path
@@ -145,16 +144,13 @@ def _stores_int4(source: str | Path, raw: dict) -> bool:
     path = gguf_file(source)
     if path is None:
         return False
-    from quasar.models.gguf_groups import stores_int4
-
     return stores_int4(path)
 
 
 def gguf_file(source: str | Path) -> Path | None:
     """The GGUF file a model source (`--model`) names ('default' is one), or None (a directory)."""
-    if str(source) == "default":
-        from quasar.data.packages import default_model_path
-
-        return Path(default_model_path())
+    packaged = packaged_model_path(source)
+    if packaged is not None:
+        return Path(packaged)
     path = Path(source).expanduser()
     return path if path.suffix.lower() == ".gguf" else None

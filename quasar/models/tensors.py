@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from quasar.errors import QuasarError
+from quasar.models.hf_files import check_manifest, weight_files
 from quasar.models.safetensors_mmap import mmap_safetensors, tensor_entries
 
 
@@ -40,8 +41,6 @@ class SafetensorsSource(TensorSource):
     """
 
     def __init__(self, model_dir: str | Path):
-        from quasar.models.hf import check_manifest, weight_files
-
         self.model_dir = Path(model_dir)
         self._file_of: dict[str, Path] = {}
         check_manifest(self.model_dir, weights=False)  # the index as written, before it is read

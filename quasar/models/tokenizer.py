@@ -11,6 +11,11 @@ import os
 from datetime import datetime
 from pathlib import Path
 
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
 from quasar.errors import QuasarError
 
 Messages = list[dict[str, str]]
@@ -24,8 +29,6 @@ def _token_text(value) -> str | None:
 
 class Tokenizer:
     def __init__(self, model_dir: Path):
-        from tokenizers import Tokenizer as HFTokenizer
-
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise QuasarError(f"{model_dir}: no tokenizer.json")
@@ -72,8 +75,9 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: Messages) -> list[int]:
-        # The template already spells out special tokens; do not add them twice.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        # A template spells out its special tokens (do not add them twice); the plain fallback
+        # spells none, so it takes the tokenizer's own (a BOS, which Gemma needs).
+        return self.encode(self.render_chat(messages), add_special_tokens=not self.chat_template)
 
 
 _TEMPLATES: dict[str, object] = {}
@@ -81,10 +85,6 @@ _TEMPLATES: dict[str, object] = {}
 
 def _compile(source: str):
     if source not in _TEMPLATES:
-        from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         def raise_exception(message):
             raise QuasarError(f"chat template: {message}")
 

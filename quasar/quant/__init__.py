@@ -9,13 +9,13 @@ from quasar.models.formats import register_quantized_format
 
 
 def _prepare_w8a8(model, quant_config: dict, tensors: dict) -> int:
-    from quasar.quant.checkpoint import prepare_quantized_modules
+    from quasar.quant.checkpoint import prepare_quantized_modules  # lazy: torch; the package (w4a8_layouts) stays light
 
     return prepare_quantized_modules(model, quant_config, tensors)
 
 
 def _prepare_w4a8(model, quant_config: dict, tensors: dict) -> int:
-    from quasar.quant.w4a8_checkpoint import prepare_w4a8_modules
+    from quasar.quant.w4a8_checkpoint import prepare_w4a8_modules  # lazy: torch; the package (w4a8_layouts) stays light
 
     return prepare_w4a8_modules(model, quant_config, tensors)
 

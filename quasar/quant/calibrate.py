@@ -20,6 +20,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from quasar.data.calibration import calibration_texts
 from quasar.errors import QuasarError
 
 DEFAULT_SAMPLES = 16
@@ -52,8 +53,6 @@ class CalibrationStats:
 
 def builtin_calibration_text() -> dict[str, str]:
     """The calibration part of the standard corpus (never its held-out tail)."""
-    from quasar.data.calibration import calibration_texts
-
     return {k: v for k, v in calibration_texts(part="calibration").items() if v.strip()}
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
@@ -136,7 +137,7 @@ def prepare_quantized_modules(model: Transformer, quant_config: dict, tensors: d
         if name == "lm_head" and model.config.tie_word_embeddings:
             raise QuasarError("checkpoint has an int8 lm_head but ties it to the embeddings")
         new = Int8Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta",
-                         act_bits=down_act_bits if name.endswith("mlp.down_proj") else 8)
+                         act_bits=down_act_bits if name.endswith("down_proj") else 8)
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
         swapped += 1
@@ -169,8 +170,6 @@ class ShardWriter:
         self.total_bytes = 0
 
     def add(self, tensors: dict[str, Tensor]) -> None:
-        from safetensors.torch import save_file
-
         k = len(set(self.weight_map.values())) + 1
         if k > self.n_shards:
             raise ValueError(f"more than the {self.n_shards} shards announced")

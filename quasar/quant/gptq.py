@@ -12,6 +12,7 @@ import sys
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from quasar.runtime.w8a8_numerics import quantize_weight
 from quasar.runtime.w4a8_numerics import INT4_MAX, quantize_weight_w4
@@ -131,8 +132,6 @@ def gptq_weights(linears: dict[str, nn.Linear], owners: dict[str, str], hessians
     and are rounded as one matrix. The Hessians come from the unsmoothed inputs; smoothing
     divides the input by s (``scales[owner]``), so H becomes H / (s s^T).
     """
-    from tqdm import tqdm
-
     by_owner: dict[str, list[str]] = {}
     for name in linears:
         owner = owners.get(name)

@@ -19,13 +19,18 @@ from torch import nn
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.models.config import ModelConfig
+from quasar.models.hf import build_model, read_config
 from quasar.models.llama import Transformer
 from quasar.models.tensors import SafetensorsSource, StateDictSource, TensorSource
 from quasar.quant.calibrate import builtin_calibration_text, token_windows
 from quasar.quant.checkpoint import ShardWriter, checkpoint_config
 from quasar.runtime.w8a8 import Int8Linear
 from quasar.quant.options import QuantOptions
-from quasar.quant.sequential import quantize_layers
+from quasar.quant.sequential import WIDE_ACT_BITS, quantize_layers
+from quasar.quant.smooth import rotation_folds
+from quasar.quant.w4a8_checkpoint import w4a8_config_of
+from quasar.quant.w4a8_layouts import FAITHFUL
+from quasar.runtime.w4a8_numerics import W4A8_GROUP
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -41,12 +46,6 @@ def _output_config(cfg: ModelConfig, opts: QuantOptions, info: dict) -> dict:
     untied = cfg.tie_word_embeddings and (opts.rotate or opts.int8_head)
     out_cfg = dataclasses.replace(cfg, tie_word_embeddings=cfg.tie_word_embeddings and not untied)
     if opts.weight_bits == 4:
-        from quasar.quant.w4a8_checkpoint import w4a8_config_of
-        from quasar.runtime.w4a8_numerics import W4A8_GROUP
-
-        from quasar.quant.sequential import WIDE_ACT_BITS
-        from quasar.quant.w4a8_layouts import FAITHFUL
-
         bits = WIDE_ACT_BITS if opts.w4_layout == FAITHFUL else 8  # the int8 linears the layout keeps
         return w4a8_config_of(out_cfg, W4A8_GROUP, bits, opts.lm_head, {"quasar": info}, int8_act_bits=bits)
     return checkpoint_config(out_cfg, opts.int8_head, info)
@@ -69,15 +68,23 @@ def quant_options(options: QuantOptions | None, fields: dict) -> QuantOptions:
     return QuantOptions(**fields)
 
 
+def for_model(opts: QuantOptions, cfg: ModelConfig) -> QuantOptions:
+    """`opts` as they apply to `cfg`'s family: without the residual rotation where it does not
+    fold (quasar.quant.smooth.rotation_folds); the checkpoint then records rotate false."""
+    return opts if not opts.rotate or rotation_folds(cfg) else dataclasses.replace(opts, rotate=False)
+
+
 def checkpoint_bytes(cfg: ModelConfig, opts: QuantOptions) -> int:
     """About the size of the checkpoint of a model with config ``cfg`` quantized as ``opts`` say
     (a little less: the norms, biases and tokenizer are left out), to check the free space first."""
     h, inter, heads, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads
     dim = cfg.head_dim
     linears = h * dim * (2 * heads + 2 * kv) + 3 * h * inter  # q, o; k, v; gate, up, down
+    # a sparse layer's experts (and shared expert) instead of its dense MLP
+    experts = 3 * h * (cfg.num_experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size - inter)
     per_weight = 0.5 + 4 / 32 if opts.weight_bits == 4 else 1.0  # 4-bit groups of 32: two float16s each
     head = cfg.vocab_size * h * (1 if opts.int8_head else 4)
-    return int(cfg.num_layers * linears * per_weight) + 4 * cfg.vocab_size * h + head
+    return int((cfg.num_layers * linears + len(cfg.moe_layers) * experts) * per_weight) + 4 * cfg.vocab_size * h + head
 
 
 def quantize_source(source: TensorSource, cfg: ModelConfig, tokenizer, out: str | Path,
@@ -88,7 +95,7 @@ def quantize_source(source: TensorSource, cfg: ModelConfig, tokenizer, out: str 
     only when complete) as ``options`` say (or ``QuantOptions(**fields)``); returns its
     config.json. ``calib_text`` is the calibration text (None: the built-in corpus);
     ``announce`` is printed (stderr) when the work starts, not when another process did it."""
-    opts = quant_options(options, fields)
+    opts = for_model(quant_options(options, fields), cfg)
     windows = _windows(tokenizer, cfg, opts, calib_text)
     written: dict = {}
 
@@ -107,8 +114,6 @@ def quantize_source(source: TensorSource, cfg: ModelConfig, tokenizer, out: str 
 
 def quantize_to_dir(model_dir: str | Path, tokenizer, out: str | Path, **kwargs) -> dict:
     """``quantize_source`` over a Hugging Face directory, tokenizer files copied along."""
-    from quasar.models.hf import read_config
-
     model_dir = Path(model_dir)
     raw = read_config(model_dir)
     if raw.get("quantization_config") is not None:
@@ -124,15 +129,13 @@ def build_w8a8(model: Transformer | TensorSource, tokenizer, *, cfg: ModelConfig
     ``cfg``), built in memory as ``options`` say (or ``QuantOptions(**fields)``); ``model``
     stays intact. ``calib_text`` (e.g. from ``quasar.data.read_text_file``) replaces the
     built-in calibration corpus."""
-    from quasar.models.hf import build_model
-
     if isinstance(model, Transformer):
         if is_quantized(model):
             raise QuasarError("model is already quantized")
         cfg, dtype, source = model.config, dtype or model.model.norm.weight.dtype, StateDictSource(model)
     else:
         source = model
-    opts = quant_options(options, fields)
+    opts = for_model(quant_options(options, fields), cfg)
     tensors: dict[str, torch.Tensor] = {}
     info = quantize_layers(source, cfg, _windows(tokenizer, cfg, opts, calib_text), tensors.update, opts, progress)
     info["calibration"]["source"] = _calib_source(opts, calib_text, calib_source)

@@ -20,9 +20,12 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from quasar.models.config import ModelConfig
-from quasar.models.llama import DecoderLayer, KVCache, Prefill, RMSNorm, rope_cos_sin, rope_inv_freq
+from quasar.models.families import decoder_layer, embed, final_norm
+from quasar.models.llama import DecoderLayer, KVCache, Prefill, rope_cos_sin, rope_inv_freq
+from quasar.models.layouts import read_tensor
 from quasar.models.tensors import TensorSource
 from quasar.quant.calibrate import StatsCollector
 from quasar.quant.gptq import gptq_weights
@@ -71,9 +74,9 @@ class _Windows:
 def float_layer(source: TensorSource, cfg: ModelConfig, index: int) -> DecoderLayer:
     """Decoder layer ``index`` from the source, in float32 (only this layer is upcast)."""
     with torch.device("meta"):
-        layer = DecoderLayer(cfg)
+        layer = decoder_layer(cfg, index)
     prefix = f"model.layers.{index}."
-    state = {name: source.get(prefix + name).float() for name in layer.state_dict()}
+    state = {name: read_tensor(source, cfg, prefix + name).float() for name in layer.state_dict()}
     layer.load_state_dict(state, assign=True, strict=True)
     return layer.eval()
 
@@ -112,7 +115,8 @@ def _quantize_linears(root: nn.Module, prefix: str, groups, all_groups, stats, o
     modules = dict(root.named_modules())
     for name, lin in linears.items():
         parent, _, child = name[len(prefix):].rpartition(".")
-        bits = WIDE_ACT_BITS if name in wide else opts.down_act_bits if name.endswith("mlp.down_proj") else 8
+        # every down projection (an expert's too) takes down_act_bits, as the loader reads them
+        bits = WIDE_ACT_BITS if name in wide else opts.down_act_bits if name.endswith("down_proj") else 8
         new = _w4(lin, rounded.get(name)) if name in four else _int8(lin, rounded.get(name), opts.backend, bits)
         setattr(modules[parent] if parent else root, child, new)
 
@@ -136,15 +140,13 @@ def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[i
                     opts: QuantOptions, progress: bool = False) -> dict:
     """Quantize the model in ``source`` part by part into ``sink``; returns what was done
     (the checkpoint's ``quantization_config.quasar``)."""
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     q, r = rotations(cfg) if opts.rotate else (None, None)
     chosen: dict[str, float | None] = {}
 
     emb = source.get("model.embed_tokens.weight")  # memory-mapped, in its stored dtype
     emb = emb.float() if q is None else rotate_rows(emb, q, dtype=torch.float32)
-    data = _Windows(cfg, [emb[torch.tensor(ids)][None] for ids in windows])
+    data = _Windows(cfg, [embed(cfg, emb, torch.tensor(ids))[None] for ids in windows])
     sink({"model.embed_tokens.weight": emb})
     del emb
 
@@ -156,7 +158,7 @@ def quantize_layers(source: TensorSource, cfg: ModelConfig, windows: list[list[i
         # 4-bit layers are not smoothed: their activations are quantized per group, and
         # smoothing would move the outliers into the weights, where 4 bits hurt most
         groups = layer_groups(layer, cfg, i, opts.smooth_o_down) if opts.weight_bits == 8 else []
-        all_groups = layer_groups(layer, cfg, i, True)
+        all_groups = layer_groups(layer, cfg, i, True, experts=True)
         collector = _collector(groups, all_groups, opts, len(windows)).hook(
             {f"model.layers.{i}.{n}": m for n, m in layer.named_modules() if isinstance(m, nn.Linear)})
         float_out = data.run(layer, collector)
@@ -181,7 +183,7 @@ def _quantize_head(source: TensorSource, cfg: ModelConfig, hidden: list[Tensor],
                    opts: QuantOptions, chosen: dict) -> None:
     """The final norm and lm_head. Rotation folds the norm into lm_head (which unties it from
     the embeddings); an int8 lm_head is calibrated on the last layer's quantized outputs."""
-    norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    norm = final_norm(cfg)
     norm.weight = nn.Parameter(source.get("model.norm.weight").float(), requires_grad=False)
     if q is None and not opts.int8_head:
         sink({"model.norm.weight": norm.weight.data})

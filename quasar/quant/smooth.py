@@ -56,6 +56,30 @@ LAYER_GROUPS: tuple[Group, ...] = (
     Group("attn_out", "self_attn.v_proj", ("self_attn.o_proj",), "heads", "o_down"),
     Group("mlp_out", "mlp.up_proj", ("mlp.down_proj",), "linear", "o_down"),
 )
+# A mixture-of-experts layer (quasar.models.moe) smooths its attention groups only. Its
+# experts' groups are listed for GPTQ (which linears share an input, "{e}" is the expert)
+# but never smoothed: the norm before the block also feeds the float router and every expert,
+# each on its own tokens, so no one scale folded into it suits them all; and an expert's
+# up -> down scale would be searched on the few, uneven rows the calibration routes to it.
+MOE_ATTN_GROUPS: tuple[Group, ...] = tuple(g for g in LAYER_GROUPS if g.producer.startswith(("input_", "self_attn")))
+EXPERT_GROUPS: tuple[Group, ...] = (
+    Group("expert_in", "post_attention_layernorm", ("mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"), "norm",
+          "expert"),
+    Group("expert_out", "mlp.experts.{e}.up_proj", ("mlp.experts.{e}.down_proj",), "linear", "expert"),
+)
+SHARED_EXPERT_GROUPS: tuple[Group, ...] = (
+    Group("shared_in", "post_attention_layernorm", ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+          "norm", "expert"),
+    Group("shared_out", "mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",), "linear", "expert"),
+)
+# Gemma 3 norms each sub-block's output as well (quasar.models.gemma3): its MLP reads
+# pre_feedforward_layernorm, and its post_attention_layernorm feeds the residual, no linear.
+# Its norms scale by 1 + w: the fold keeps that offset (``fold``).
+GEMMA3_LAYER_GROUPS: tuple[Group, ...] = (
+    LAYER_GROUPS[0],
+    Group("mlp_in", "pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "norm"),
+    *LAYER_GROUPS[2:],
+)
 FINAL_GROUPS: tuple[Group, ...] = (
     Group("head_in", "model.norm", ("lm_head",), "norm", "lm_head"),
 )
@@ -101,12 +125,28 @@ def _bind(key: str, g: Group, modules: dict[str, nn.Module], prefix: str, cfg) -
                       rep=cfg.num_heads // cfg.num_kv_heads, head_dim=cfg.head_dim)
 
 
-def layer_groups(layer: nn.Module, cfg, index: int, smooth_o_down: bool = True) -> list[BoundGroup]:
-    """The groups of decoder layer ``index`` (names as in the whole model: ``model.layers.N.``)."""
+def _layer_templates(layer: nn.Module, cfg, index: int) -> list[Group]:
+    """The groups of decoder layer ``index``, a mixture-of-experts layer's expanded per expert."""
+    if cfg.sandwich_norms:
+        return list(GEMMA3_LAYER_GROUPS)
+    if not cfg.is_moe_layer(index):
+        return list(LAYER_GROUPS)
+    out = list(MOE_ATTN_GROUPS)
+    for e in range(cfg.num_experts):
+        out += [Group(f"{g.name}{e}", g.producer.format(e=e), tuple(c.format(e=e) for c in g.consumers), g.kind,
+                      g.switch) for g in EXPERT_GROUPS]
+    return out + (list(SHARED_EXPERT_GROUPS) if cfg.shared_expert_intermediate_size else [])
+
+
+def layer_groups(layer: nn.Module, cfg, index: int, smooth_o_down: bool = True,
+                 experts: bool = False) -> list[BoundGroup]:
+    """The groups of decoder layer ``index`` (names as in the whole model: ``model.layers.N.``);
+    ``experts``: with a mixture-of-experts layer's expert groups (for input_owners, never smoothed)."""
     prefix = f"model.layers.{index}."
     modules = {prefix + n: m for n, m in layer.named_modules() if n}
-    enabled = _enabled(smooth_o_down, False)
-    return [_bind(f"layers.{index}.{g.name}", g, modules, prefix, cfg) for g in LAYER_GROUPS if g.switch in enabled]
+    enabled = _enabled(smooth_o_down, False) | ({"expert"} if experts else set())
+    return [_bind(f"layers.{index}.{g.name}", g, modules, prefix, cfg)
+            for g in _layer_templates(layer, cfg, index) if g.switch in enabled]
 
 
 def head_groups(norm: nn.Module, lm_head: nn.Module, cfg) -> list[BoundGroup]:
@@ -171,7 +211,10 @@ def group_scales(bg: BoundGroup, act_max: Tensor, alpha: float | None,
 def fold(bg: BoundGroup, s_prod: Tensor, s_cons: Tensor) -> None:
     """Divide the producer's output channels by s, multiply the consumers' inputs by s."""
     p = bg.producer
-    if bg.group.kind == "norm":
+    if bg.group.kind == "norm" and getattr(p, "unit_offset", 0.0):  # a norm scaling by offset + w (Gemma's 1 + w)
+        off = p.unit_offset
+        p.weight.data = ((p.weight.data.float() + off) / s_prod - off).to(p.weight.dtype)
+    elif bg.group.kind == "norm":
         p.weight.data = (p.weight.data.float() / s_prod).to(p.weight.dtype)
     else:
         if not isinstance(p, nn.Linear):
@@ -311,12 +354,16 @@ def rotate_layer(layer: nn.Module, cfg, q: Tensor, r: Tensor | None) -> None:
     """Fold the residual rotation ``q`` (and the value-head rotation ``r``) into one float
     decoder layer in place: its norms into q, k, v and gate, up; o and down write rotated."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not all(isinstance(m, nn.Linear) for m in (attn.q_proj, mlp.down_proj)):
+    # a mixture-of-experts block: its router and every expert read the stream, every expert writes it
+    readers, writers = (mlp.readers(), mlp.writers()) if hasattr(mlp, "experts") else \
+        ((mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+    if not all(isinstance(m, nn.Linear) for m in (attn.q_proj, *writers)):
         raise QuasarError("rotation expects a float model (rotate before quantizing)")
     _read((attn.q_proj, attn.k_proj, attn.v_proj), layer.input_layernorm, q)
-    _read((mlp.gate_proj, mlp.up_proj), layer.post_attention_layernorm, q)
+    _read(readers, layer.post_attention_layernorm, q)
     _write(attn.o_proj, q)
-    _write(mlp.down_proj, q)
+    for w in writers:
+        _write(w, q)
     if r is not None:
         d = cfg.head_dim
         wv = attn.v_proj.weight.double().view(cfg.num_kv_heads, d, -1)
@@ -327,6 +374,16 @@ def rotate_layer(layer: nn.Module, cfg, q: Tensor, r: Tensor | None) -> None:
         _set(attn.o_proj.weight, (wo @ r).reshape(-1, cfg.num_heads * d))
 
 
+def rotation_folds(cfg) -> bool:
+    """Whether the residual rotation folds exactly into the model: not where a norm sits on a
+    sub-block's output before the residual add (Gemma 3), whose per-channel weight does not
+    commute with a rotation of the stream and has no linear after it to absorb one."""
+    return not cfg.sandwich_norms
+
+
 def rotations(cfg, seed: int = 0, heads: bool = True) -> tuple[Tensor, Tensor | None]:
     """(residual rotation [hidden, hidden], value-head rotation [head_dim, head_dim] or None)."""
+    if not rotation_folds(cfg):
+        raise QuasarError(f"the residual rotation does not fold into a {cfg.model_type} model (norms on its "
+                          "sub-blocks' outputs); quantize it without rotation")
     return rotation_matrix(cfg.hidden_size, seed), rotation_matrix(cfg.head_dim, seed + 1) if heads else None

@@ -35,6 +35,7 @@ from torch import nn
 
 from quasar.errors import QuasarError
 from quasar.models.llama import Transformer
+from quasar.quant.checkpoint import _state_tensors, _write_one_shard
 from quasar.runtime import fused_step
 from quasar.runtime.exact_head import ExactTopHead
 from quasar.runtime.w8a8 import Int8Linear
@@ -97,8 +98,6 @@ def save_w4a8_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str
                          exist_ok: bool = False) -> Path:
     """Write a W4A8 ``model`` held in memory as a self-contained directory (one shard),
     atomically: ``--model OUT`` loads it without the float model or the GGUF file."""
-    from quasar.quant.checkpoint import _state_tensors, _write_one_shard
-
     if not any(isinstance(m, W4A8Linear) for m in model.modules()):
         raise QuasarError("save_w4a8_checkpoint expects a W4A8 model (quasar.engine.w4a8_verifier)")
     config = w4a8_config(model, info or {})

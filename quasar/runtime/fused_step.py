@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from quasar.errors import QuasarError
 from quasar.kernels import ext
+from quasar.models.moe import SparseMoE
 from quasar.runtime import step_cost
 from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.w4a8 import W4A8Linear
@@ -103,6 +104,10 @@ class FusedW8A8Step:
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
         self._plan, self._watch = None, ((), (), ())
+        if any(isinstance(layer.mlp, SparseMoE) for layer in self.model.model.layers):
+            return False  # the op runs dense MLPs only: experts run the modules
+        if self.model.config.sandwich_norms:
+            return False  # the op runs the Llama block only: Gemma 3 runs the modules
         self._op = ext.decoder_layer_op()
         if self._op is None:
             return False
@@ -214,7 +219,8 @@ ENV_KV_DTYPE = "QUASAR_KV_DTYPE"  # "fp32" keeps a float32 KV cache (for compari
 def _bf16_attention(model: nn.Module) -> bool:
     """Whether the op attends over a bf16 cache for this model here (AVX512-BF16, a head_dim
     that is a multiple of 32)."""
-    return ext.bf16_kv_supported() and model.config.head_dim in _HEAD_DIMS and model.config.head_dim % 32 == 0
+    cfg = model.config  # (a model the op declines keeps a float32 cache: the modules gain nothing from bf16)
+    return ext.bf16_kv_supported() and cfg.head_dim in _HEAD_DIMS and cfg.head_dim % 32 == 0 and not cfg.sandwich_norms
 
 
 def kv_cache_dtype(model: nn.Module) -> torch.dtype | None:

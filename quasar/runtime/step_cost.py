@@ -25,7 +25,7 @@ decoder weighs drafts with:
   :func:`install_measured` sets the faster). It depends on the CPU's hardware prefetcher and
   on how long the model's streams are.
 
-``scripts/step_rows.py`` prints the same times with their floor.
+``scripts/tools/step_rows.py`` prints the same times with their floor.
 """
 
 from __future__ import annotations
@@ -42,12 +42,14 @@ from quasar.defaults import DEFAULT_ROW_COST
 from quasar.fileio import write_atomic
 from quasar.kernels import ext
 from quasar.models.rows import Rows
+from quasar.models.moe import sparse_blocks
 from quasar.paths import cache_dir
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w4a8_numerics import w4_weight_bytes
 from quasar.runtime.w8a8 import Int8Linear
 
-__all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "install_measured", "key_cost", "measure", "prior_pass_rows",
+__all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "expected_experts", "expert_row_cost",
+           "install_measured", "key_cost", "measure", "prior_pass_rows", "step_bytes", "touched_bytes",
            "prior_row_cost"]
 
 PROBE_ROWS = (1, 2, 4, 8, 16)
@@ -74,7 +76,7 @@ PREFETCH_CHOICE_PATHS = ("avx2", "avx-vnni")
 # ---------------------------------------------------------------- priors
 # Before a model's step is measured (models built outside LLM: the quantizer's, the tests'),
 # its row cost and pass rows come from the kernel path: per-row costs of the default model
-# (135 MB of int8 weights) from scripts/step_rows.py and scripts/compare_drafters.py (the
+# (135 MB of int8 weights) from scripts/tools/step_rows.py and scripts/tools/compare_drafters.py (the
 # figures are in docs/bench/HISTORY.md). AMX is priced a little under its measured cost
 # because a path's probability, the product of its edges', undervalues deep nodes of a text
 # that repeats; the AVX512-VNNI kernel keeps 6 rows in registers and makes a further pass
@@ -92,8 +94,9 @@ VNNI_PASS_ROWS = 6
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of `model`'s quantized weights, what a step streams: every Int8Linear's in x out,
-    every W4A8Linear's in x out / 2 and its groups' scales and offsets (float16)."""
+    """Bytes of `model`'s quantized weights, what a step of a dense model streams: every
+    Int8Linear's in x out, every W4A8Linear's in x out / 2 and its groups' scales and offsets
+    (float16). A mixture-of-experts step reads fewer: see step_bytes."""
     total = 0
     for m in model.modules():
         if not getattr(m, "streamed", True):  # read a few rows a step (a RefinedHead's int8 head)
@@ -105,10 +108,49 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def expected_experts(n_experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts `rows` tokens reach when each picks `top_k` of `n_experts` uniformly at
+    random (expected): n (1 - (1 - k / n)^rows)."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** rows)
+
+
+def expert_bytes(model: nn.Module) -> tuple[int, list[float]]:
+    """(quantized bytes outside the experts, one expert's mean bytes in each sparse layer)."""
+    per_layer = [[weight_bytes(e) for e in block.experts] for block in sparse_blocks(model)]
+    return weight_bytes(model) - sum(map(sum, per_layer)), [sum(p) / len(p) for p in per_layer]
+
+
+def step_bytes(model: nn.Module, rows: int = 1) -> float:
+    """Quantized bytes a step of `rows` rows streams: all of a dense model's; of a sparse
+    layer, the experts its rows reach (expected_experts: routing taken as uniform)."""
+    dense, experts = expert_bytes(model)
+    return dense + sum(b * expected_experts(len(block.experts), block.top_k, rows)
+                       for b, block in zip(experts, sparse_blocks(model)))
+
+
+def touched_bytes(model: nn.Module) -> float:
+    """Quantized bytes the model's last step read: everything outside the experts and, in
+    each sparse layer, the experts its rows reached (SparseMoE.last_experts)."""
+    dense, experts = expert_bytes(model)
+    return dense + sum(b * len(block.last_experts) for b, block in zip(experts, sparse_blocks(model)))
+
+
+def expert_row_cost(model: nn.Module | None) -> float:
+    """What one more row adds to a one-row step of a mixture-of-experts model by the experts
+    it reaches, as a fraction of that step's bytes: the mean over a step of MIN_PASS_ROWS rows
+    (0 for a dense model: its rows share every weight)."""
+    if model is None or not sparse_blocks(model):
+        return 0.0
+    one = step_bytes(model, 1)
+    return (step_bytes(model, MIN_PASS_ROWS) - one) / ((MIN_PASS_ROWS - 1) * max(one, 1.0))
+
+
 def prior_row_cost(model: nn.Module | None = None) -> float:
     """What one more row costs a fused W8A8 step of `model` on this kernel path before it is
     measured (Transformer.row_cost), as a fraction of a one-row step: the path's cost on the
-    default model, scaled down as sqrt(135 MB / the model's weight bytes) (at most 4x)."""
+    default model, scaled down as sqrt(135 MB / the bytes of a one-row step) (at most 4x),
+    plus, for a mixture-of-experts model, the bytes of the experts one more row reaches
+    (expert_row_cost)."""
     path = ext.kernel_path()
     if path == "amx":
         base = AMX_ROW_COST
@@ -117,11 +159,12 @@ def prior_row_cost(model: nn.Module | None = None) -> float:
     elif path in ext.KERNEL_PATHS:
         base = AVX2_ROW_COST
     else:
-        return DEFAULT_ROW_COST
+        return min(1.0, DEFAULT_ROW_COST + expert_row_cost(model))
     if model is None:
         return base
-    streamed = weight_bytes(model)
-    return base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(streamed, 1)) ** 0.5))
+    streamed = step_bytes(model, 1)
+    return min(1.0, base * min(1.0, max(0.25, (_REFERENCE_BYTES / max(streamed, 1)) ** 0.5))
+               + expert_row_cost(model))
 
 
 def prior_pass_rows() -> int | None:
@@ -139,7 +182,7 @@ def key_cost(model: nn.Module) -> float:
     cfg = model.config
     elem = torch.finfo(model.kv_dtype or torch.float32).bits // 8
     key_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-    return key_bytes / max(weight_bytes(model), 1)
+    return key_bytes / max(step_bytes(model, 1), 1)
 
 
 # ---------------------------------------------------------------- measured

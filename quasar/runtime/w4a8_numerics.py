@@ -14,7 +14,7 @@ per ISA, and unsigned nibbles are the u8 operand of vpdpbusd and vpmaddubsw as t
 
 Activations: int8 per token *and group* (the weights' groups), scale amax / 127 over the
 group, as llama.cpp's Q8 blocks. Per token alone (W8A8's rule) agrees clearly less often
-with the float model's top-1 (scripts/w4_fidelity.py with the file's own 4-bit groups): a
+with the float model's top-1 (scripts/tools/w4_fidelity.py with the file's own 4-bit groups): a
 4-bit group's error is already spent, so the activations must not add one per token on top.
 
 Arithmetic: per row m, column n, group g two integer sums, S = sum of q_w * q_x (at most

@@ -131,7 +131,7 @@ def exact_cpu_variants() -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- cpu
-# Policy, from `python scripts/bench_kernels.py` (whole layer incl. quantization and
+# Policy, from `python scripts/tools/bench_kernels.py` (whole layer incl. quantization and
 # epilogue): M = 1 -> u8x (oneDNN's u8 x s8 GEMV beats s8 x s8 on wide layers, ties on small
 # ones); M > 1 -> s8 (u8x loses the GEMV and pays the shift). Neither needs a copy of the
 # weight. A third variant, the transposed problem (W + 128) @ qx.T, has the fastest GEMM at

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from starlette.middleware import Middleware
+
 SESSION_HEADER = "x-session-id"  # Ray Serve's default RAY_SERVE_SESSION_ID_HEADER_KEY
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "quasar.server.affinity:proxy_middlewares"
@@ -97,6 +99,4 @@ class ConversationKey:
 
 def proxy_middlewares() -> list:
     """Ray's proxy callback: the middlewares its HTTP proxy runs (PROXY_CALLBACK)."""
-    from starlette.middleware import Middleware
-
     return [Middleware(ConversationKey)]

@@ -9,20 +9,24 @@ Requests are validated in `openai_schema`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from quasar import __version__
+from quasar.engine.spec import VerifierSpec
 from quasar.server import generation, info, middleware
 from quasar.server.access import AccessPolicy
 from quasar.server.context import ServerContext
 from quasar.server.metrics import ServerMetrics
 from quasar.server.scheduler import Scheduler
 from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS
-from quasar.engine.verifiers import canonical_verifier
 
 # uvicorn's event loop and HTTP parser, named rather than "auto": the stack the server is
 # tested on, whatever else is installed (Ray's extra brings uvloop and httptools)
@@ -40,7 +44,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
     without one, requests must be addressed to a loopback name or one of `allowed_hosts`
     (quasar.server.access)."""
     metrics = metrics or ServerMetrics()
-    offered = tuple(canonical_verifier(v) for v in verifiers)  # a bad name fails before the engine starts
+    offered = tuple(VerifierSpec.parse(v) for v in verifiers)  # a bad name fails before the engine starts
     policy = AccessPolicy(api_key, allowed_hosts)
     scheduler = Scheduler(llm, max_queue=max_queue, metrics=metrics, max_batch=max_batch,
                           max_verifiers=max_verifiers).start()
@@ -51,7 +55,7 @@ def create_app(llm, *, api_key: str | None = None, max_queue: int = 32, model_na
         yield
         await run_in_threadpool(scheduler.stop)
 
-    app = FastAPI(title="Quasar", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="Quasar", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.context = ctx
     app.state.scheduler, app.state.metrics, app.state.llm, app.state.model_name = scheduler, metrics, llm, ctx.served
     app.state.defaults = ctx.defaults
@@ -65,19 +69,8 @@ def _model_name(llm) -> str:
     source = getattr(getattr(llm, "loaded", None), "source", None) or "model"
     if source == "default":
         return "SmolLM2-135M-Instruct"
-    from pathlib import Path
-
     p = Path(source)
     return p.stem if p.suffix.lower() == ".gguf" else (p.name or str(p))
-
-
-def _version() -> str:
-    try:
-        from quasar import __version__
-
-        return __version__
-    except ImportError:
-        return "0"
 
 
 class BackgroundServer:
@@ -87,8 +80,6 @@ class BackgroundServer:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                     timeout_graceful_shutdown=2, lifespan="on", **UVICORN_STACK))
@@ -97,8 +88,6 @@ class BackgroundServer:
         self._thread = None
 
     def start(self, timeout: float = 30.0) -> "BackgroundServer":
-        import threading
-
         self._thread = threading.Thread(target=self.server.run, name="quasar-uvicorn", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout

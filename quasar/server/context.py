@@ -12,12 +12,12 @@ from functools import cached_property
 
 from fastapi import Request
 
+from quasar.engine.spec import VerifierSpec
 from quasar.errors import QuasarError
 from quasar.server.logprobs import token_texts
 from quasar.server.metrics import ServerMetrics
 from quasar.server.openai_schema import ApiError, now
 from quasar.server.scheduler import Scheduler
-from quasar.engine.verifiers import canonical_verifier
 
 
 @dataclass
@@ -26,7 +26,7 @@ class ServerContext:
     scheduler: Scheduler
     metrics: ServerMetrics
     served: str  # the model id /v1/models lists, and the one a request may name
-    verifiers: tuple[str, ...] = ()  # what a request may name (canonical); the LLM's own is always one
+    verifiers: tuple[VerifierSpec, ...] = ()  # what a request may name; the LLM's own is always the first
     default_max_tokens: int = 1024  # a request's completion length when it sets none (capped by the context)
     created_at: int = field(default_factory=now)
 
@@ -43,24 +43,29 @@ class ServerContext:
                     ngram_max=d.ngram_max, adaptive=d.adaptive, draft_budget=d.draft_budget)
 
     def __post_init__(self):
-        own, offered = self.llm.verifier, dict.fromkeys(canonical_verifier(v) for v in self.verifiers)
+        own, offered = self.llm.verifier_spec, dict.fromkeys(VerifierSpec.parse(v) for v in self.verifiers)
         self.verifiers = (own, *(v for v in offered if v != own))
 
-    def check_verifier(self, name: str | None) -> str:
-        """The verifier a request names (None: the server's), spelled canonically; a 400
-        for a name that is no verifier (the message `LLM` gives), or one listing the offered
-        ones. Each verifier is a model and a KV cache, so requests choose among what the
-        operator offered (--verifiers)."""
+    @property
+    def verifier_names(self) -> list[str]:
+        """The offered verifiers' canonical names, the server's own first."""
+        return [str(v) for v in self.verifiers]
+
+    def check_verifier(self, name: str | None) -> VerifierSpec:
+        """The verifier a request names (None: the server's), parsed; a 400 for a name that
+        is no verifier (the message `LLM` gives), or one listing the offered ones. Each
+        verifier is a model and a KV cache, so requests choose among what the operator
+        offered (--verifiers)."""
         if name is None:
-            return self.llm.verifier
+            return self.llm.verifier_spec
         try:
-            canonical = canonical_verifier(name)
+            spec = VerifierSpec.parse(name)
         except QuasarError as e:
             raise ApiError(400, str(e)[:300], param="verifier", code="invalid_value") from None
-        if canonical not in self.verifiers:
+        if spec not in self.verifiers:
             raise ApiError(400, f"The verifier {json.dumps(name)[:80]} is not offered by this server; choose one of: "
-                                f"{', '.join(self.verifiers)}.", param="verifier", code="verifier_not_offered")
-        return canonical
+                                f"{', '.join(self.verifier_names)}.", param="verifier", code="verifier_not_offered")
+        return spec
 
     def check_model(self, model_id: str | None) -> None:
         """The one model this server knows is the id `/v1/models` lists; a request may also omit it."""

@@ -20,6 +20,8 @@ import time
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from quasar.engine.plan import DecodePlan
+from quasar.engine.spec import VerifierSpec
 from quasar.errors import QuasarError
 from quasar.server.context import ServerContext, context
 from quasar.server.events import PROGRESS, JobEvents, JobStream, next_event, scheduler_error, submit
@@ -29,7 +31,6 @@ from quasar.server.openai_schema import (ApiError, GenRequest, choice, completio
                                          stream_chunk, usage)
 from quasar.server.scheduler import Job, SchedulerClosed
 from quasar.speculative.generate import Chunk, Result, Stats
-from quasar.speculative.options import DecodePlan
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -83,20 +84,20 @@ def completion_tokens(ctx: ServerContext, req: GenRequest, prompt_len: int) -> i
     return req.max_tokens
 
 
-async def plan_request(ctx: ServerContext, req: GenRequest, max_tokens: int) -> DecodePlan:
-    """The request's plan. Resolving drafter "auto" may measure the verifier's step, which
-    builds it: a verifier not built yet is planned on the engine's thread, after room is
-    made for it in the engine's pool, so no model is built on the event loop or past the cap."""
-    if req.verifier in ctx.llm.resident_verifiers:
-        return request_plan(ctx.llm, req, max_tokens)
-    engine = ctx.scheduler
+async def plan_request(ctx: ServerContext, req: GenRequest, verifier: VerifierSpec, max_tokens: int) -> DecodePlan:
+    """The request's plan on `verifier`. Resolving drafter "auto" may measure the verifier's
+    step, which builds it: a verifier not built yet is planned on the scheduler's thread, after
+    room is made for it in its pool, so no model is built on the event loop or past the cap."""
+    if verifier in ctx.llm.engine.resident:
+        return request_plan(ctx.llm, req, verifier, max_tokens)
+    scheduler = ctx.scheduler
 
     def plan() -> DecodePlan:
-        engine.pool.make_room(req.verifier, engine.busy_verifiers())
-        return request_plan(ctx.llm, req, max_tokens)
+        scheduler.pool.make_room(verifier, scheduler.busy_verifiers())
+        return request_plan(ctx.llm, req, verifier, max_tokens)
 
     try:
-        return await run_in_threadpool(engine.call, plan)
+        return await run_in_threadpool(scheduler.call, plan)
     except SchedulerClosed as e:
         raise scheduler_error(e) from None
 
@@ -121,9 +122,9 @@ async def generate(request: Request, kind: str):
     draft = ctx.llm.draft
     req = parse_chat(body, draft) if kind == "chat" else parse_completion(body, ctx.llm.tokenizer.vocab_size, draft)
     ctx.check_model(req.model)
-    req.verifier = ctx.check_verifier(req.verifier)
+    verifier = ctx.check_verifier(req.verifier)
     prompt_ids = await encode(ctx, req)
-    plan = await plan_request(ctx, req, completion_tokens(ctx, req, len(prompt_ids)))
+    plan = await plan_request(ctx, req, verifier, completion_tokens(ctx, req, len(prompt_ids)))
     events = submit(ctx.scheduler, lambda sink: Job(prompt_ids, plan, sink, n=req.n, created=arrived))
     first = await next_event(events, request)
     rid, created = new_id(kind), now()

@@ -28,7 +28,7 @@ async def health(request: Request):
     ok = scheduler.alive
     body = {"status": "ok" if ok else "unavailable", "model": ctx.served, "queue_depth": scheduler.queue_depth,
             "max_queue": scheduler.max_queue, "running": scheduler.running, "completed": scheduler.completed,
-            "defaults": ctx.defaults, "verifiers": list(ctx.verifiers), "max_context": ctx.llm.max_context}
+            "defaults": ctx.defaults, "verifiers": ctx.verifier_names, "max_context": ctx.llm.max_context}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -22,9 +22,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from quasar.engine.plan import DecodePlan
+from quasar.engine.spec import VerifierSpec
 from quasar.errors import QuasarError
 from quasar.speculative.logprobs import MAX_TOP_LOGPROBS
-from quasar.speculative.options import DecodeOptions, DecodePlan, DraftOptions, SamplingOptions
+from quasar.speculative.options import DecodeOptions, DraftOptions, SamplingOptions
 
 MAX_STOP = 16
 MAX_N = 16  # choices per request; decoded one after another, so each costs a full generation
@@ -118,22 +120,24 @@ def _lone_surrogate_at(value: Any) -> str | None:
     return None
 
 
+# JSON's names for Python's types, bool before int (a bool is an int)
+_TYPE_NAMES = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "an array"),
+               (dict, "an object"))
+
+
+def _in_range(name: str, v, lo, hi, fmt: str):
+    """`v` if it lies in [lo, hi] (None: unbounded), else an invalid-value error; `fmt` formats the numbers."""
+    if lo is not None and v < lo:
+        raise _invalid_value(name, f"{v:{fmt}} is less than the minimum of {lo:{fmt}}.")
+    if hi is not None and v > hi:
+        raise _invalid_value(name, f"{v:{fmt}} is greater than the maximum of {hi:{fmt}}.")
+    return v
+
+
 def _type_name(v: Any) -> str:
     if v is None:
         return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int):
-        return "an integer"
-    if isinstance(v, float):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__
+    return next((name for kind, name in _TYPE_NAMES if isinstance(v, kind)), type(v).__name__)
 
 
 def _invalid_type(name: str, expected: str, value: Any) -> ApiError:
@@ -181,11 +185,7 @@ class _Fields:
             v = int(v)
         if isinstance(v, bool) or not isinstance(v, int):
             raise _invalid_type(name, "an integer", v)
-        if lo is not None and v < lo:
-            raise _invalid_value(name, f"{v} is less than the minimum of {lo}.")
-        if hi is not None and v > hi:
-            raise _invalid_value(name, f"{v} is greater than the maximum of {hi}.")
-        return v
+        return _in_range(name, v, lo, hi, "")
 
     def number(self, name: str, default: float | None = None, lo: float | None = None,
                hi: float | None = None) -> float | None:
@@ -197,11 +197,7 @@ class _Fields:
         v = float(v)
         if not math.isfinite(v):
             raise _invalid_value(name, "must be a finite number.")
-        if lo is not None and v < lo:
-            raise _invalid_value(name, f"{v:g} is less than the minimum of {lo:g}.")
-        if hi is not None and v > hi:
-            raise _invalid_value(name, f"{v:g} is greater than the maximum of {hi:g}.")
-        return v
+        return _in_range(name, v, lo, hi, "g")
 
     def unsupported(self, name: str, ok) -> None:
         """Reject `name` unless it is absent or `ok(value)` holds (the feature is not implemented)."""
@@ -229,7 +225,7 @@ class GenRequest:
     logprobs: int | None = None  # None: off; N: each token's logprob and N alternatives
     # Quasar extras: the server's defaults where the request sets none
     draft: DraftOptions = field(default_factory=DraftOptions)
-    verifier: str | None = None
+    verifier: str | None = None  # as sent; the server's context checks it (ServerContext.check_verifier)
 
 
 def _checked(build, *args, **kwargs):
@@ -240,12 +236,12 @@ def _checked(build, *args, **kwargs):
         raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
 
 
-def request_plan(llm, req: GenRequest, max_tokens: int) -> DecodePlan:
-    """The request's `DecodePlan` on `llm` (`quasar.api.LLM.plan`): its verifier named and
-    its drafter resolved; a bad value is a 400."""
+def request_plan(llm, req: GenRequest, verifier: VerifierSpec, max_tokens: int) -> DecodePlan:
+    """The request's `DecodePlan` on `llm` (`quasar.api.LLM.plan`) and `verifier` (checked
+    already), its drafter resolved; a bad value is a 400."""
     options = _checked(DecodeOptions, max_new_tokens=max_tokens, sampling=req.sampling, stop=req.stop,
                        draft=req.draft, logprobs=req.logprobs)
-    return _checked(llm.plan, options, req.verifier)
+    return _checked(llm.plan, options, verifier)
 
 
 def _common(f: _Fields, req: GenRequest, draft: DraftOptions) -> GenRequest:
@@ -303,14 +299,19 @@ def _message_content(i: int, content: Any) -> str:
     raise _invalid_type(f"messages[{i}].content", "a string or an array of text parts", content)
 
 
+def _required(body: dict, name: str):
+    """The request's `name`, which it must have."""
+    value = body.get(name)
+    if value is None:
+        raise ApiError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
+    return value
+
+
 def parse_chat(body: dict, draft: DraftOptions) -> GenRequest:
     """A chat request; its draft options are `draft` (the server's defaults) where it sets none."""
     f = _Fields(body)
     req = GenRequest("chat", f.string("model"))
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "Missing required parameter: 'messages'.", param="messages",
-                       code="missing_required_parameter")
+    messages = _required(body, "messages")
     if not isinstance(messages, list):
         raise _invalid_type("messages", "an array", messages)
     if not messages:
@@ -348,10 +349,7 @@ def parse_completion(body: dict, vocab_size: int, draft: DraftOptions) -> GenReq
     """A completion request over a vocabulary of `vocab_size`; draft options as `parse_chat`'s."""
     f = _Fields(body)
     req = GenRequest("completion", f.string("model"))
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "Missing required parameter: 'prompt'.", param="prompt",
-                       code="missing_required_parameter")
+    prompt = _required(body, "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):

@@ -119,7 +119,7 @@ class ConversationRouter(RequestRouter):
 
 class RoundRobinRouter(RequestRouter):
     """Each request to the next replica in turn, whatever its conversation (then the others,
-    when that one is full): the baseline scripts/ray_bench.py measures affinity against."""
+    when that one is full): the baseline scripts/tools/ray_bench.py measures affinity against."""
 
     def initialize_state(self, **_):
         self._turn = 0

@@ -35,11 +35,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from quasar.engine.plan import DecodePlan
+from quasar.engine.spec import VerifierSpec
 from quasar.errors import QuasarError
 from quasar.server.metrics import ServerMetrics
 from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS, VerifierPool
 from quasar.speculative.generate import Chunk, Result
-from quasar.speculative.options import DecodePlan
 
 log = logging.getLogger("quasar.server")
 
@@ -107,7 +108,7 @@ class Scheduler:
         self._paused = False
         self._closed = False
         self._running: dict[str, _Running] = {}  # job id -> state, in admission order
-        self.pool = VerifierPool(llm, self.max_batch, max_verifiers)
+        self.pool = VerifierPool(llm.engine, self.max_batch, max_verifiers)
         # sequences of admitted jobs not finished yet (running or about to get a slot); with
         # _pending, what `submit` decides by. Guarded by _cond: the worker changes it.
         self._reserved = 0
@@ -265,7 +266,7 @@ class Scheduler:
                 job = self._pending[0]  # only this thread takes jobs: it stays the head
             if not job.cancel.is_set():
                 try:
-                    if self.pool.acquire(job.plan.verifier, self.busy_verifiers()) is None:
+                    if self.pool.acquire(job.plan.verifier_spec, self.busy_verifiers()) is None:
                         return  # the verifiers in use fill the pool: the job waits for one
                 except Exception as e:  # the verifier cannot be built
                     if self._take(job):
@@ -274,8 +275,8 @@ class Scheduler:
             if self._take(job):
                 self._start(job)
 
-    def busy_verifiers(self) -> set[str]:
-        return {run.plan.verifier for run in self._running.values()}
+    def busy_verifiers(self) -> set[VerifierSpec]:
+        return {run.plan.verifier_spec for run in self._running.values()}
 
     def _take(self, job: Job) -> bool:
         """Move `job`, the queue's head, to the admitted; False when `stop` emptied the queue."""
@@ -310,7 +311,7 @@ class Scheduler:
 
     def _add_choice(self, run: _Running) -> bool:
         """Give run's next choice a slot; False when its decoder has none free or the job failed."""
-        batch = self.pool[run.plan.verifier]
+        batch = self.pool[run.plan.verifier_spec]
         if not batch.n_free:
             return False
         index = run.next_choice
@@ -381,7 +382,7 @@ class Scheduler:
             return
         self._release(sum(r is None for r in run.results))
         for index in run.live:
-            self.pool[run.plan.verifier].remove((run.job.id, index))
+            self.pool[run.plan.verifier_spec].remove((run.job.id, index))
         run.live.clear()
         if kind == "error":
             self._job_failed(run.job, payload)

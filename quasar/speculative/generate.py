@@ -155,7 +155,7 @@ class _Output:
 # reading that key's K/V costs it. The attention alone measures lower (a row's extra time
 # at a long context against the one-row step's K/V reads), but a share above it decodes long
 # prompts fastest, as deeper trees also cost the drafter more: set by decoding
-# `scripts/make_long_prompt.py`'s prompt with `quasar bench --prompts long.jsonl --modes
+# `scripts/tools/make_long_prompt.py`'s prompt with `quasar bench --prompts long.jsonl --modes
 # quasar,quasar-tree` at each candidate share.
 ROW_KEY_SHARE = 0.25
 

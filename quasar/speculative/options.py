@@ -1,10 +1,11 @@
 """Decoding options as frozen objects, checked once where a request enters.
 
 The CLI, `LLM` and the server's request schema each build a `DraftOptions` and a
-`SamplingOptions`; `LLM.plan` joins them with the loop's own options into a `DecodePlan`,
-which the scheduler, the batch decoder and the drafter then read as it is. Construction is
-the check: an out-of-range value is a QuasarError naming the option (`param`), with the
-same one-line message whichever door it came in by, and nothing downstream checks again.
+`SamplingOptions`; `LLM.plan` joins them with the loop's own options and the verifier into
+a `DecodePlan` (quasar.engine.plan), which the scheduler, the batch decoder and the drafter
+then read as it is. Construction is the check: an out-of-range value is a QuasarError naming
+the option (`param`), with the same one-line message whichever door it came in by, and
+nothing downstream checks again.
 """
 
 from __future__ import annotations
@@ -153,20 +154,3 @@ class DecodeOptions:
     def with_seed(self, seed: int | None) -> "DecodeOptions":
         """The same options sampling with `seed` (choice i of a request samples with seed + i)."""
         return dataclasses.replace(self, sampling=self.sampling.with_seed(seed))
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """A request's checked decoding: the verifier it runs on and its loop's options, whose
-    drafter is resolved (never "auto": results, stats and metrics name what ran)."""
-
-    verifier: str
-    options: DecodeOptions
-
-    @property
-    def draft(self) -> DraftOptions:
-        return self.options.draft
-
-    @property
-    def drafter(self) -> str:
-        return self.options.draft.drafter

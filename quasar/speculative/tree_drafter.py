@@ -15,7 +15,7 @@ that greedy verification accepts the whole path. An edge's probability is measur
 prior: `EDGE_PROB` holds the acceptance rate of candidates by their evidence (the longest
 n-gram that proposes the token and whether that n-gram was followed by it at least half the
 time; its rank among the recycled verifier candidates), counted over the W8A8 default
-model's greedy tree decoding of held-out prompts (`scripts/tree_edge_stats.py`), and each
+model's greedy tree decoding of held-out prompts (`scripts/tools/tree_edge_stats.py`), and each
 sequence calibrates it on its own verified nodes (`PRIOR_WEIGHT`). The tree is
 grown best first: the `budget` likeliest nodes, where equal scores go to the more recent
 n-gram evidence. Scores never grow down a path, so every chosen node's parent is chosen too,
@@ -41,7 +41,7 @@ from quasar.speculative.drafters import Drafter, DraftTree, NgramDrafter
 # occurrences were followed by it at least half the time][rank among the recycled verifier
 # candidates: 0, 1, 2 or more, not among them]. Measured over 23k nodes of the W8A8 default
 # model's greedy tree decoding (budget 24, no node dropped) of 102 held-out prompts of the
-# five bench tasks (not the bench's own): `python scripts/tree_edge_stats.py --n 25`. What it
+# five bench tasks (not the bench's own): `python scripts/tools/tree_edge_stats.py --n 25`. What it
 # says: the verifier's own rank-0 candidate is a fair bet alone; a 1-gram match adds little
 # unless the verifier also ranks it first; a 3-gram that usually continues so is the best
 # evidence there is. (Cells under 30 nodes: 2-gram minority at ranks 1 and 2+.)

@@ -24,11 +24,7 @@
 namespace quasar {
 namespace {
 
-using w4x86::kPrefetchBytes;
-using w4x86::load_u32;
-using w4x86::prefetch;
-using w4x86::StepsFn;
-using w4x86::steps_index;
+using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table index
 
 // A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
 // (float16, widened exactly by vcvtph2ps) at `so` (after its nibbles), the exact sums s of R

@@ -13,11 +13,7 @@
 namespace quasar {
 namespace {
 
-using w4x86::kPrefetchBytes;
-using w4x86::load_u32;
-using w4x86::prefetch;
-using w4x86::StepsFn;
-using w4x86::steps_index;
+using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table index
 
 // ------------------------------------------------------------------ AVX512-VNNI
 // One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled

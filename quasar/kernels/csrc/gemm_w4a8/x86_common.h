@@ -11,9 +11,9 @@
 namespace quasar {
 namespace w4x86 {
 
-// 32 KB: far enough to cover the several instructions these kernels spend per cache line
-// (4 KB was slower, 64-128 KB no faster). Lines a pass asks for past its part of a weight
-// (32 KB a thread and linear) are wasted reads, ~1% of a step's.
+// Far enough ahead to cover the several instructions these kernels spend per cache line
+// (shorter was slower, longer no faster). Lines a pass asks for past its part of a weight
+// (this distance a thread and linear) are wasted reads, a small share of a step's.
 constexpr int64_t kPrefetchBytes = 32 << 10;
 
 inline int32_t load_u32(const int8_t* p) {

@@ -6,7 +6,7 @@
 // compare pass and top_k dot products, most of it waiting on the chosen tokens' scattered
 // int8 weight rows.
 //
-// The contract is RefinedHead's torch path, bit for bit (tests/test_w4a8_verifier.py):
+// The contract is RefinedHead's torch path, bit for bit (tests/engine/test_w4a8_verifier.py):
 // - kth = torch.topk's top_k-th largest value of the row, where a NaN ranks above every
 //   number; so a row with top_k or more NaNs has a NaN kth and refines nothing;
 // - every logit y >= kth (ties included; never a NaN) becomes (float(acc) * weight_scale[t])
