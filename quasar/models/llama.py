@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from quasar.defaults import DEFAULT_ROW_COST
 from quasar.errors import QuasarError
 from quasar.models.config import ModelConfig
+from quasar.models.mlp import MLP
 from quasar.models.moe import SparseMoE
 from quasar.models.rows import Rows
 
@@ -230,18 +231,6 @@ def window_mask(mask: Tensor, start: int, window: int) -> Tensor:
     queries = torch.arange(start, start + mask.shape[0], device=mask.device)
     keys = torch.arange(mask.shape[1], device=mask.device)
     return mask & (keys[None, :] > queries[:, None] - window)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quasar.models.config import ModelConfig
+from quasar.models.mlp import MLP
 
 
 class Router(nn.Module):
@@ -37,19 +38,6 @@ class Router(nn.Module):
         return torch.cat([F.linear(x[r:r + 1], self.weight) for r in range(x.shape[0])])
 
 
-class Expert(nn.Module):
-    """One SwiGLU MLP of width `intermediate`."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class SparseMoE(nn.Module):
     """Router, experts and the optional shared expert of one decoder layer."""
 
@@ -58,10 +46,10 @@ class SparseMoE(nn.Module):
         h = cfg.hidden_size
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = Router(h, cfg.num_experts)
-        self.experts = nn.ModuleList(Expert(h, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size, bias=False) for _ in range(cfg.num_experts))
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
-            self.shared_expert = Expert(h, cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size, bias=False)
             self.shared_expert_gate = Router(h, 1)
         # The distinct experts the last forward ran (what a step of its rows read), ascending.
         self.last_experts: list[int] = []
