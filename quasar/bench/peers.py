@@ -165,10 +165,18 @@ def import_llama_cpp():
 
 
 def gguf_weight_bytes(path: Path) -> int:
-    """Bytes of tensors read per forward: all but `token_embd` when `output` is separate."""
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    """Bytes of tensors read per forward of one token: all but `token_embd` when `output` is
+    separate, and of a mixture of experts' stacked expert tensors (`ffn_*_exps`) the
+    `expert_used_count` of `expert_count` experts a token reaches."""
+    reader = GGUFReader(str(path))
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
     if "output.weight" in tensors:
         tensors.pop("token_embd.weight", None)
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else ""
+    count, used = (reader.fields.get(f"{arch}.expert_{key}") for key in ("count", "used_count"))
+    if count is not None and used is not None and int(count.contents()) > 0:
+        share = int(used.contents()) / int(count.contents())
+        tensors = {n: round(b * share) if "_exps." in n else b for n, b in tensors.items()}
     return sum(tensors.values())
 
 

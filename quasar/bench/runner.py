@@ -13,7 +13,9 @@ Metrics of an engine over a set of prompts (a task, or all of them):
 - speedup_vs_ar_fp: tokens_per_s ÷ ar-fp's tokens_per_s over the same prompts.
 - mean_accepted (acceptance length L): tokens emitted per verifier step, from the
   per-step histogram (EOS counted as emitted): exactly 1.0 for autoregressive decoding.
-- step_ms: Σ decode time ÷ Σ steps. bytes_per_step: weights read by one forward.
+- step_ms: Σ decode time ÷ Σ steps. bytes_per_step: weights read by one forward (of a
+  mixture-of-experts model, the experts one row reaches, top-k per layer; for a speculative
+  mode, those a full draft's rows reach under uniform routing).
   kv_bytes_per_step: the KV cache a step reads, on average: each step reads its context's
   K and V in every layer (context ≈ prompt + half the output over a run, in the engine's
   cache precision; None for an engine whose precision is not known).
@@ -206,7 +208,9 @@ class QuasarMode(Contender):
             model = self.llm.verifier_model(self.verifier)
         except QuasarError as e:
             raise Unavailable(str(e)) from None
-        self.bytes_per_step = model_bytes(model)
+        # a mixture-of-experts step reads the experts its rows reach: priced at a full draft's rows
+        rows = {"none": 1, "ngram": 1 + self.cfg.num_draft, "tree": 1 + self.cfg.draft_budget}[self.drafter]
+        self.bytes_per_step = model_bytes(model, rows)
         self.kv_element_size = model.cache.k.element_size()
         self.kv_config = model.config  # a pruned verifier has fewer layers (and caches)
         dtype = str(self.llm.loaded.dtype).removeprefix("torch.")

@@ -15,6 +15,8 @@ import dataclasses
 from torch import nn
 
 from quasar.models.llama import Transformer
+from quasar.models.moe import sparse_blocks
+from quasar.runtime.step_cost import expected_experts
 
 
 def kept_layers(n_layers: int, fraction: float) -> list[int]:
@@ -39,9 +41,11 @@ def pruned_model(model: Transformer, fraction: float) -> Transformer:
     return pruned
 
 
-def model_bytes(model: Transformer) -> int:
+def model_bytes(model: Transformer, rows: int | None = None) -> int:
     """Bytes of weights one forward reads: everything but the embedding table (one row of
-    it is read), with a tied lm_head counted once."""
+    it is read), with a tied lm_head counted once. A mixture-of-experts step of `rows` rows
+    reads only the experts its rows reach: expected_experts of each sparse layer's (exactly
+    top-k for one row; uniform routing beyond); rows None: every expert."""
     seen, total = set(), 0
     # modules read a few rows a step, not whole (a RefinedHead's int8 head): like the embedding
     unread = tuple(f"{n}." for n, m in model.named_modules() if not getattr(m, "streamed", True))
@@ -50,4 +54,10 @@ def model_bytes(model: Transformer) -> int:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
+    if rows is None:
+        return total
+    for block in sparse_blocks(model):
+        n = len(block.experts)
+        expert = sum(t.numel() * t.element_size() for t in block.experts.state_dict().values()) / n
+        total -= round(expert * (n - expected_experts(n, block.top_k, rows)))
     return total

@@ -4,6 +4,9 @@ and speed at real sizes. Its weights are noise, so is its text.
 
     python scripts/tools/make_random_model.py --config qwen3-8b --dtype bf16 --out DIR
 
+Dense configs: Qwen2.5 0.5B-3B, Qwen3 8B. Mixture-of-experts (Qwen3-MoE block): qwen3-30b-a3b,
+and olmoe-1b-7b (OLMoE-1B-7B's layers and experts with Qwen3's vocabulary).
+
 DIR gets a Hugging Face directory: config.json (the real model's), sharded safetensors
 with model.safetensors.index.json, and a tokenizer with its chat template. Linear and
 embedding weights (and biases) are N(0, 0.02), norm weights ones, so activations stay
@@ -51,6 +54,22 @@ CONFIGS = {
         sliding_window=None, use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
     ),
 }
+_QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_act="silu", vocab_size=151936,
+    max_position_embeddings=40960, rope_theta=1000000.0, rope_scaling=None, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, attention_bias=False, sliding_window=None, use_sliding_window=False,
+    attention_dropout=0.0, initializer_range=0.02, decoder_sparse_step=1, mlp_only_layers=[],
+    norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001,
+)
+CONFIGS["qwen3-30b-a3b"] = dict(_QWEN3_MOE, num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
+                                moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+# OLMoE-1B-7B's layers and experts (16 layers, 64 experts of width 1024, 8 per token) as a
+# Qwen3-MoE block, with Qwen3's vocabulary, so the Qwen tokenizer serves Quasar and llama.cpp alike.
+CONFIGS["olmoe-1b-7b"] = dict(_QWEN3_MOE, num_hidden_layers=16, hidden_size=2048, intermediate_size=1024,
+                              moe_intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
+                              num_attention_heads=16, num_key_value_heads=16, head_dim=128, norm_topk_prob=False,
+                              max_position_embeddings=4096)
 
 DTYPES = {"bf16": (torch.bfloat16, "BF16", "bfloat16"), "fp16": (torch.float16, "F16", "float16"),
           "fp32": (torch.float32, "F32", "float32")}
@@ -62,11 +81,11 @@ QWEN_GGUF = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"  # from scripts/set
 
 def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, init) of every tensor in the checkpoint, in module order."""
-    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     qkv_bias = cfg["model_type"] == "qwen2" or cfg.get("attention_bias", False)
-    qk_norm = cfg["model_type"] == "qwen3"
+    qk_norm = cfg["model_type"] in ("qwen3", "qwen3_moe")
     specs = [("model.embed_tokens.weight", (vocab, hidden), "normal")]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -81,13 +100,30 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
         specs += [
             (p + "self_attn.o_proj.weight", (hidden, heads * head_dim), "normal"),
             (p + "post_attention_layernorm.weight", (hidden,), "ones"),
-            (p + "mlp.gate_proj.weight", (inter, hidden), "normal"),
-            (p + "mlp.up_proj.weight", (inter, hidden), "normal"),
-            (p + "mlp.down_proj.weight", (hidden, inter), "normal"),
         ]
+        specs += _mlp_specs(cfg, p + "mlp.", i)
     specs.append(("model.norm.weight", (hidden,), "ones"))
     if not cfg["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (vocab, hidden), "normal"))
+    return specs
+
+
+def _mlp_specs(cfg: dict, p: str, layer: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """A layer's MLP: dense, or (a mixture-of-experts config's sparse layers) router and experts."""
+    hidden = cfg["hidden_size"]
+
+    def swiglu(prefix: str, inter: int):
+        return [(prefix + "gate_proj.weight", (inter, hidden), "normal"),
+                (prefix + "up_proj.weight", (inter, hidden), "normal"),
+                (prefix + "down_proj.weight", (hidden, inter), "normal")]
+
+    experts = cfg.get("num_experts", 0)
+    step = cfg.get("decoder_sparse_step", 1)
+    if not experts or layer in cfg.get("mlp_only_layers", []) or (layer + 1) % step:
+        return swiglu(p, cfg["intermediate_size"])
+    specs = [(p + "gate.weight", (experts, hidden), "normal")]
+    for e in range(experts):
+        specs += swiglu(f"{p}experts.{e}.", cfg["moe_intermediate_size"])
     return specs
 
 

@@ -82,6 +82,39 @@ def test_llamacpp_loads_and_quantizes_it(tmp_path, random_model):
     assert out["usage"]["completion_tokens"] >= 1
 
 
+def test_moe_experts_stack_and_llamacpp_runs_them(tmp_path):
+    """A Qwen3-MoE random model: each layer's experts stacked into llama.cpp's ffn_*_exps
+    tensors in expert order, the router in float32, and llama.cpp loads and decodes the file."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    cfg = dict(mrm.CONFIGS["olmoe-1b-7b"], num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+               num_key_value_heads=4, head_dim=16, vocab_size=49152, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32)
+    model = mrm.write_random_model(tmp_path / "moe", cfg, "bf16", seed=2, tokenizer=default_model_path())
+    path = tmp_path / "moe.gguf"
+    rmg.write_gguf(model, path, default_model_path())
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    assert reader.fields["general.architecture"].contents() == "qwen3moe"
+    assert reader.fields["qwen3moe.expert_count"].contents() == 4
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == GGMLQuantizationType.F32
+    src = _stored(model)
+    down = tensors["blk.1.ffn_down_exps.weight"]
+    assert [int(d) for d in reversed(down.shape)] == [4, 64, 32]
+    stacked = torch.from_numpy(down.data.copy().view("<u2").astype("int32")).to(torch.int16).view(torch.bfloat16)
+    for e in range(4):
+        assert torch.equal(stacked.reshape(4, 64, 32)[e], src[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]), e
+    router = torch.from_numpy(tensors["blk.1.ffn_gate_inp.weight"].data.copy()).reshape(4, 64)
+    assert torch.equal(router, src["model.layers.1.mlp.gate.weight"].float())
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (scripts/setup/install_llamacpp.sh)")
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
+    out = llm.create_completion("Hello", max_tokens=4, temperature=0.0)
+    assert out["usage"]["completion_tokens"] >= 1
+
+
 def test_only_qwen_architectures(tmp_path, random_model):
     bad = tmp_path / "llama"
     bad.mkdir()
