@@ -31,14 +31,11 @@ checkpoint.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
-from gguf import GGUFReader
 from torch import nn
 from tqdm import tqdm
 
@@ -48,8 +45,7 @@ from quasar.engine import w8a8_verifier
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.models.config import ModelConfig
-from quasar.models.gguf import _hf_name, _unpermute
-from quasar.models.gguf_groups import int4_groups, is_int4_type
+from quasar.models.gguf import int4_group_readers
 from quasar.models.hf import build_model, load_hf_dir
 from quasar.models.llama import Transformer
 from quasar.models.loader import gguf_file
@@ -100,23 +96,10 @@ def groups_source(loaded, layout: str = FAITHFUL) -> Path | None:
 def gguf_int4_groups(path: Path, cfg) -> dict[str, Callable[[], tuple]]:
     """{HF weight name: a function giving (q uint8 [out, in], scale, offset float32
     [out, in / 32])} for every 4-bit matrix of GGUF file `path`, rows in Hugging Face order
-    (llama.cpp's Q/K row permutation undone for llama-family models; `cfg` is the model's
-    ModelConfig). Each is unpacked only when asked for, so a build holds one at a time."""
-    reader = GGUFReader(path)
-    out = {}
-    for t in reader.tensors:
-        name = _hf_name(t, path)
-        if name is not None and len(t.shape) == 2 and is_int4_type(t.tensor_type):
-            out[name] = functools.partial(_read_groups, t, cfg)
-    return out
-
-
-def _read_groups(t, cfg) -> tuple:
-    groups = int4_groups(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
-    role = t.name.split(".")[2:3]
-    if cfg.model_type in ("llama", "mistral") and role in (["attn_q"], ["attn_k"]):
-        groups = tuple(_unpermute(a, cfg.num_heads if role == ["attn_q"] else cfg.num_kv_heads) for a in groups)
-    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
+    (quasar.models.gguf.int4_group_readers: experts one matrix each, fused tensors split by
+    rows; `cfg` is the model's ModelConfig). Each is unpacked only when asked for, so a build
+    holds one at a time."""
+    return int4_group_readers(path, cfg)
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -219,7 +202,7 @@ def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool
         for i in tqdm(range(cfg.num_layers), desc="W4A8 layers", unit="layer", file=sys.stderr,
                       disable=not progress, leave=False):
             layer = float_layer(source, cfg, i)
-            for name in LAYER_LINEARS:
+            for name in _linear_names(layer):
                 found = groups.pop(f"model.layers.{i}.{name}.weight", None)
                 _set(layer, name, _layer_linear(layer.get_submodule(name), found, faithful))
                 wide = wide or found is None
@@ -228,17 +211,24 @@ def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in source
         # the stored (memory-mapped) weight as it is: the quantizers widen it a block at a time
         weight = source.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        top_k = min(HEAD_TOP_K, weight.shape[0])  # a vocabulary smaller than that: every logit exact
         if faithful:  # a tied head reads its exact rows from the embedding table, stored once
-            head: nn.Module = ExactTopHead.from_float(weight, HEAD_TOP_K, tied=tied)
+            head: nn.Module = ExactTopHead.from_float(weight, top_k, tied=tied)
         else:  # untied: the embedding stays float
-            head = RefinedHead.from_float(weight, HEAD_TOP_K, GROUP)
+            head = RefinedHead.from_float(weight, top_k, GROUP)
         sink({"model.norm.weight": source.get("model.norm.weight").float(),
               **{f"lm_head.{n}": t for n, t in head.state_dict().items()}})
     if faithful:
         bits = WIDE_ACT_BITS if wide else 8
-        return w4a8_config_of(cfg, GROUP, bits, EXACT_HEAD, info, head_top_k=HEAD_TOP_K, int8_act_bits=bits,
+        return w4a8_config_of(cfg, GROUP, bits, EXACT_HEAD, info, head_top_k=top_k, int8_act_bits=bits,
                               head_tied=tied)
-    return w4a8_config_of(cfg, GROUP, 8, REFINED_HEAD, info, head_top_k=HEAD_TOP_K)
+    return w4a8_config_of(cfg, GROUP, 8, REFINED_HEAD, info, head_top_k=top_k)
+
+
+def _linear_names(layer: nn.Module) -> list[str]:
+    """The decoder layer's linears: LAYER_LINEARS, or a sparse MLP's experts' (the router is no
+    ``nn.Linear`` and stays float)."""
+    return [name for name, m in layer.named_modules() if isinstance(m, nn.Linear)]
 
 
 def _layer_linear(linear: nn.Linear, groups: Callable[[], tuple] | None, faithful: bool) -> nn.Module:
