@@ -135,11 +135,12 @@ SOURCES = tuple(CSRC / f for f in (
     "gemm_w8a8/linear_op.cpp", "gemm_w4a8/generic.cpp", "gemm_w4a8/x86_avx2.cpp", "gemm_w4a8/x86_avx512.cpp",
     "gemm_w4a8/linear_op.cpp", "step/generic.cpp", "step/x86_avx2.cpp", "step/x86_avx512.cpp",
     "attention/x86_avx512_bf16.cpp", "amx/gemm.cpp", "amx/attention.cpp", "decoder_layer/decoder_layer.cpp",
-    "decoder_layer/step_linears.cpp", "head/row_select.cpp", "head/refined_head.cpp"))
+    "decoder_layer/step_linears.cpp", "decoder_layer/sparse_mlp.cpp", "head/row_select.cpp", "head/refined_head.cpp"))
 HEADERS = tuple(CSRC / f for f in (
     "ops.h", "common/cpu_features.h", "common/activation_quant.h", "common/simd_avx512.h", "common/head_dim.h",
     "gemm_w8a8/int8_gemm.h", "gemm_w8a8/kernels.h", "gemm_w4a8/w4a8_gemm.h", "gemm_w4a8/x86_common.h",
     "step/step_kernels.h", "step/vec8.inc", "attention/attention.h", "decoder_layer/step_linears.h",
+    "decoder_layer/sparse_mlp.h",
     "head/row_topk.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,

@@ -12,6 +12,12 @@ trees in one or more cache slots (each row attends to its slot's committed cache
 its path; a batch of sequences is one call) and returns None for longer steps, which run
 the modules.
 
+A mixture-of-experts layer (quasar.models.moe.SparseMoE, any mix with dense layers) runs in
+the same call (``csrc/decoder_layer/sparse_mlp.h``): its float32 router per row, each expert
+the step's rows reach once over all of them, a shared expert where the block has one; the op
+reports the experts each layer ran, which become the blocks' ``last_experts`` as their forward
+sets them (``step_cost.touched_bytes`` reads them).
+
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
 whether it is verified alone, with drafts or beside other sequences (greedy speculative ==
 greedy autoregressive stays exact, in a batch too). The layer is not bitwise the PyTorch
@@ -21,9 +27,9 @@ layout.
 
 It applies when every decoder linear is an ``Int8Linear`` on the ``cpu`` backend or a
 ``W4A8Linear`` of whole groups (any mix: the W4A8 verifier keeps the tensors its GGUF file
-holds wider as Int8Linear), the linears sharing an input (q, k, v; gate, up) agree on their
-activations (the Int8Linears' act_bits, the W4A8Linears' group size), the model is float32
-on the CPU, its cache float32 or bfloat16 (``kv_cache_dtype``: bf16 on an AVX512-BF16 CPU,
+holds wider as Int8Linear; experts too, their routers float32), the linears sharing an input
+(q, k, v; each MLP's gate, up) agree on their activations (the Int8Linears' act_bits, the
+W4A8Linears' group size), the model is float32 on the CPU, its cache float32 or bfloat16 (``kv_cache_dtype``: bf16 on an AVX512-BF16 CPU,
 attended with bf16 products), and the C++ ops load (every kernel path: AMX, AVX512-VNNI,
 AVX-VNNI, AVX2 or plain C++, see ``ext.kernel_path`` and, for 4-bit layers,
 ``ext.w4a8_kernel_path``; ``QUASAR_NO_EXT=1`` turns it off with the rest of the
@@ -51,8 +57,8 @@ from quasar.runtime.w4a8 import W4A8Linear
 
 __all__ = ["FusedW8A8Step", "install"]
 
-_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-            ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 _HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the attention kernel's specialisations
@@ -91,9 +97,13 @@ class FusedW8A8Step:
         if costs is not None and costs.prefetch_whole is not None:  # this model's measured way
             ext.prefetch_whole_stream(costs.prefetch_whole)
         starts = [rows.starts[s] for s in rows.slots]
-        return self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, p.norms,
-                        cfg.rms_norm_eps, p.weights, p.tiles, p.scales, p.biases, p.comps, p.act_bits, p.w4,
-                        p.w4_groups, cfg.num_heads, cfg.num_kv_heads, prefill)
+        y = self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, p.norms,
+                     cfg.rms_norm_eps, p.weights, p.tiles, p.scales, p.biases, p.comps, p.act_bits, p.w4,
+                     p.w4_groups, p.routers, p.shared_gates, p.top_k, p.norm_topk, p.counts, cfg.num_heads,
+                     cfg.num_kv_heads, prefill)
+        if p.sparse:
+            _report_experts(p)
+        return y
 
     def _unchanged(self) -> bool:
         """Every watched object is still in place: ~1,500 identity checks at 30 layers, run
@@ -104,8 +114,6 @@ class FusedW8A8Step:
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
         self._plan, self._watch = None, ((), (), ())
-        if any(isinstance(layer.mlp, SparseMoE) for layer in self.model.model.layers):
-            return False  # the op runs dense MLPs only: experts run the modules
         if self.model.config.sandwich_norms:
             return False  # the op runs the Llama block only: Gemma 3 runs the modules
         self._op = ext.decoder_layer_op()
@@ -119,43 +127,20 @@ class FusedW8A8Step:
         # Anything swapped later (a module, a tensor, a repack) invalidates the plan.
         watch = [(self.model.model._modules, "layers", layers)]
         for idx, layer in enumerate(layers):
-            watch += [(layers._modules, str(idx), layer), (layer._modules, "self_attn", layer.self_attn),
-                      (layer._modules, "mlp", layer.mlp)]
-            watch += [(getattr(layer, block)._modules, name, getattr(getattr(layer, block), name))
-                      for block, name in _LINEARS]
-            linears = [getattr(getattr(layer, block), name) for block, name in _LINEARS]
-            # q, k, v (and gate, up) share their input: one quantization per form they need
-            for shared in (linears[:3], linears[4:6]):
-                if len({m.act_bits for m in shared if isinstance(m, Int8Linear)}) > 1 or \
-                        len({m.group for m in shared if isinstance(m, W4A8Linear)}) > 1:
-                    return False
-            attn = layer.self_attn
-            layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            layer_norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
-            if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
+            watch.append((layers._modules, str(idx), layer))
+            if not _layer_args(layer, plan, watch):
                 return False
-            for m in linears:
-                if isinstance(m, Int8Linear):
-                    found = _int8_args(m, plan, watch)
-                elif isinstance(m, W4A8Linear):
-                    found = _w4a8_args(m, plan, watch)
-                else:
-                    found = False
-                if not found:
-                    return False
-            for n in layer_norms:
-                watch.append((n._parameters, "weight", n.weight))
-            watch += [(layer._modules, "input_layernorm", layer.input_layernorm),
-                      (layer._modules, "post_attention_layernorm", layer.post_attention_layernorm)]
-            if attn.qk_norm:
-                watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
-            plan.norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
+        if plan.sparse:
+            plan.counts = torch.zeros(len(layers), max(len(b.experts) for _, b in plan.sparse), dtype=torch.int32)
         self._plan, self._watch = plan, tuple(zip(*watch))
         return True
 
 
 class _Plan:
-    """The op's per-layer argument lists: 4 norms and 7 linears a layer (decoder_layer.cpp)."""
+    """The op's per-layer argument lists (decoder_layer.cpp): 4 norms and 7 linears a layer
+    (a sparse layer: its shared expert's gate, up, down, or None, then each expert's three);
+    a sparse layer's router, shared gate, top-k and renormalization (None, None, 0, 0 for a
+    dense layer)."""
 
     def __init__(self) -> None:
         self.norms: list = []
@@ -167,6 +152,103 @@ class _Plan:
         self.biases: list = []
         self.w4: list = []  # W4A8Linear: the weight in the op's layout (ext.pack_w4); Int8Linear: None
         self.w4_groups: list[int] = []  # W4A8Linear: its group size; Int8Linear: 0
+        self.routers: list = []
+        self.shared_gates: list = []
+        self.top_k: list[int] = []
+        self.norm_topk: list[int] = []
+        self.sparse: list[tuple[int, SparseMoE]] = []  # (layer index, block)
+        self.counts: Tensor | None = None  # int32 [layers, experts]: rows per expert of the last step
+
+
+def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
+    """Append one decoder layer's norms, linears and (sparse layer) router and experts to the
+    plan (and what to watch); False if the op cannot run it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    sparse = isinstance(mlp, SparseMoE)
+    watch += [(layer._modules, "self_attn", attn), (layer._modules, "mlp", mlp)]
+    watch += [(attn._modules, name, getattr(attn, name)) for name in _ATTENTION]
+    linears: list[nn.Module | None] = [getattr(attn, name) for name in _ATTENTION]
+    groups = [linears[:3]]  # q, k, v (and each MLP's gate, up) share their input
+    mlps = ([mlp.shared_expert] if sparse and mlp.has_shared else []) + (list(mlp.experts) if sparse else [mlp])
+    for block in mlps:
+        watch += [(block._modules, name, getattr(block, name)) for name in _MLP]
+        groups.append([block.gate_proj, block.up_proj])
+    if sparse and not mlp.has_shared:
+        linears += [None] * 3
+    linears += [getattr(block, name) for block in mlps for name in _MLP]
+    if not all(_shared_input_agrees(group) for group in groups):
+        return False
+    layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    layer_norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+    if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
+        return False
+    if not all(_linear_args(m, plan, watch) for m in linears):
+        return False
+    if not _router_args(layer, plan, watch):
+        return False
+    for n in layer_norms:
+        watch.append((n._parameters, "weight", n.weight))
+    watch += [(layer._modules, "input_layernorm", layer.input_layernorm),
+              (layer._modules, "post_attention_layernorm", layer.post_attention_layernorm)]
+    if attn.qk_norm:
+        watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
+    plan.norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
+    return True
+
+
+def _shared_input_agrees(linears: list) -> bool:
+    """Linears sharing an input agree on its quantization (one form per kind)."""
+    return len({m.act_bits for m in linears if isinstance(m, Int8Linear)}) <= 1 and \
+        len({m.group for m in linears if isinstance(m, W4A8Linear)}) <= 1
+
+
+def _linear_args(m: nn.Module | None, plan: _Plan, watch: list) -> bool:
+    """Append one linear (None: a sparse layer's absent shared expert) to the plan."""
+    if m is None:
+        for role in (plan.weights, plan.tiles, plan.scales, plan.comps, plan.biases, plan.w4):
+            role.append(None)
+        plan.act_bits.append(8)
+        plan.w4_groups.append(0)
+        return True
+    if isinstance(m, Int8Linear):
+        return _int8_args(m, plan, watch)
+    if isinstance(m, W4A8Linear):
+        return _w4a8_args(m, plan, watch)
+    return False
+
+
+def _router_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
+    """Append a layer's router, shared gate, top-k and renormalization (a dense layer's None,
+    None, 0, 0); False when the op cannot run them (not float32 and contiguous)."""
+    mlp = layer.mlp
+    if not isinstance(mlp, SparseMoE):
+        plan.routers.append(None), plan.shared_gates.append(None), plan.top_k.append(0), plan.norm_topk.append(0)
+        return True
+    routers = [mlp.gate] + ([mlp.shared_expert_gate] if mlp.has_shared else [])
+    if not all(r.weight.dtype == torch.float32 and r.weight.is_contiguous() for r in routers):
+        return False
+    plan.routers.append(mlp.gate.weight)
+    plan.shared_gates.append(mlp.shared_expert_gate.weight if mlp.has_shared else None)
+    plan.top_k.append(mlp.top_k)
+    plan.norm_topk.append(int(mlp.norm_topk_prob))
+    plan.sparse.append((len(plan.routers) - 1, mlp))
+    watch += [(r._parameters, "weight", r.weight) for r in routers]
+    watch += [(mlp._modules, "gate", mlp.gate), (mlp._modules, "experts", mlp.experts)]
+    watch += [(mlp.experts._modules, str(e), expert) for e, expert in enumerate(mlp.experts)]
+    watch += [(mlp.__dict__, "top_k", mlp.top_k), (mlp.__dict__, "norm_topk_prob", mlp.norm_topk_prob)]
+    if mlp.has_shared:
+        watch += [(mlp._modules, "shared_expert", mlp.shared_expert),
+                  (mlp._modules, "shared_expert_gate", mlp.shared_expert_gate)]
+    return True
+
+
+def _report_experts(plan: _Plan) -> None:
+    """Each sparse block's ``last_experts`` from the op's counts, as its forward sets them."""
+    touched: dict[int, list[int]] = {layer: [] for layer, _ in plan.sparse}
+    for layer, expert in plan.counts.nonzero().tolist():
+        touched[layer].append(expert)
+    for layer, block in plan.sparse:
+        block.last_experts = touched[layer]
 
 
 def _int8_args(m: Int8Linear, plan: _Plan, watch: list) -> bool:

@@ -40,6 +40,7 @@ TORCH_LIBRARY(quasar_quant, m) {
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor?[] weights, Tensor?[] tiles, "
       "Tensor?[] scales, Tensor?[] biases, Tensor?[] comps, int[] act_bits, Tensor?[] w4, int[] w4_groups, "
+      "Tensor?[] routers, Tensor?[] shared_gates, int[] top_k, int[] norm_topk, Tensor(c!)? expert_counts, "
       "int n_heads, int n_kv_heads, bool prefill=False, str path=\"\") -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 

@@ -46,6 +46,9 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                const c10::List<std::optional<at::Tensor>>& biases,
                                const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
                                const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups,
+                               const c10::List<std::optional<at::Tensor>>& routers,
+                               const c10::List<std::optional<at::Tensor>>& shared_gates, at::IntArrayRef top_k,
+                               at::IntArrayRef norm_topk, const std::optional<at::Tensor>& expert_counts,
                                int64_t n_heads, int64_t n_kv_heads, bool prefill, const std::string& path);
 bool w8a8_bf16_supported(const std::string& path);
 bool w8a8_amx_attention_supported(const std::string& path);

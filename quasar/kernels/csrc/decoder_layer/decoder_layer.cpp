@@ -37,6 +37,7 @@
 // of named phases per layer (attention block, then MLP block).
 
 #include "attention/attention.h"
+#include "decoder_layer/sparse_mlp.h"
 #include "decoder_layer/step_linears.h"
 #include "step/step_kernels.h"
 #include "ops.h"
@@ -117,7 +118,7 @@ __m512i* aligned_vectors(std::vector<uint8_t>& raw, int64_t vectors) {
 
 // The shapes and list lengths of the op's arguments (see w8a8_decoder_layers); throws.
 void check_step_args(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache, at::IntArrayRef slots,
-                     at::IntArrayRef starts, at::IntArrayRef parents, int64_t n_norms, int64_t n_linears,
+                     at::IntArrayRef starts, at::IntArrayRef parents, int64_t n_norms, int64_t n_sparse_args,
                      int64_t n_heads, int64_t n_kv_heads, KernelPath path) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "w8a8_decoder_layers: x must be contiguous float32 [1, T, H]");
@@ -135,7 +136,8 @@ void check_step_args(const at::Tensor& x, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
               "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
   const int64_t L = k_cache.size(0);
-  TORCH_CHECK(n_norms == 4 * L && n_linears == 7 * L, "w8a8_decoder_layers: 4 norms and 7 linears per cache layer");
+  TORCH_CHECK(n_norms == 4 * L, "w8a8_decoder_layers: 4 norms per cache layer");
+  TORCH_CHECK(n_sparse_args == L, "w8a8_decoder_layers: a router, shared gate, top_k and norm_topk per cache layer");
   TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && static_cast<int64_t>(slots.size()) == T &&
                   static_cast<int64_t>(starts.size()) == T && parents[0] == -1,
               "w8a8_decoder_layers: one slot, start and parent per row, parent -1 for the first");
@@ -263,6 +265,14 @@ struct AttentionScratch {
 #endif
 };
 
+// The op's mixture-of-experts arguments, per layer (w8a8_decoder_layers).
+struct SparseArgs {
+  const TensorList& routers;
+  const TensorList& shared_gates;
+  at::IntArrayRef top_k, norm_topk;
+  const std::optional<at::Tensor>& counts;
+};
+
 // One call of the op: its constructor checks the arguments and plans the work; run()
 // computes all layers in one parallel region.
 class DecoderStep {
@@ -270,16 +280,17 @@ class DecoderStep {
   DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
               at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents,
               double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill, KernelPath path);
-  // Per layer: its norms and its linears (step_linears.h), all checked here, before the
-  // parallel region (nothing in it may throw); then the buffers they write.
-  void plan_layers(const TensorList& norms, const TensorList& weights, const TensorList& tiles,
-                   const TensorList& scales, const TensorList& biases, const TensorList& comps,
-                   at::IntArrayRef act_bits, const TensorList& w4, at::IntArrayRef w4_groups);
+  // Per layer: its norms and its linears (step_linears.h), a sparse layer's router and
+  // experts too, all checked here, before the parallel region (nothing in it may throw);
+  // then the buffers they write.
+  void plan_layers(const TensorList& norms, const quasar::LinearLists& lists, const SparseArgs& moe);
   at::Tensor run();
 
  private:
   int64_t n_blocks(int64_t n) const { return blocked_ ? (n + kBlockKeys - 1) / kBlockKeys : int64_t{1}; }
   void plan_attention();
+  bool plan_sparse(int64_t l, const quasar::LinearLists& lists, int64_t base, const SparseArgs& moe);
+  void plan_buffers(int64_t inter_max, const SparseArgs& moe);
   void attention_block(int64_t l, const ThreadRows& tr, AttentionScratch& sc);
   void rope_and_store(int64_t l, const ThreadRows& tr);
   void prefill_operands(int64_t l, const ThreadRows& tr);
@@ -323,6 +334,9 @@ class DecoderStep {
   std::vector<LayerPlan> plan_;
   std::vector<quasar::LayerLinears> linears_;
   std::vector<quasar::StepGemm> gemms_;
+  // the sparse layers' routers and experts (n_experts 0 for a dense layer) and their step
+  std::vector<quasar::SparseLayer> sparse_;
+  std::optional<quasar::SparseStep> sparse_step_;
   std::optional<quasar::StepActs> acts_;
   std::vector<float> h_, proj_, attn_, gu_, act_;
   at::Tensor out_;  // the residual stream, updated in place layer by layer
@@ -391,15 +405,18 @@ void DecoderStep::plan_attention() {
   for (int64_t l = 0; l < L_; ++l) next_item_[l] = 0;
 }
 
-void DecoderStep::plan_layers(const TensorList& norms, const TensorList& weights, const TensorList& tiles,
-                              const TensorList& scales, const TensorList& biases, const TensorList& comps,
-                              at::IntArrayRef act_bits, const TensorList& w4, at::IntArrayRef w4_groups) {
-  linears_.reserve(L_);  // the GEMMs below point into it
-  int64_t inter_max = 0;
+void DecoderStep::plan_layers(const TensorList& norms, const quasar::LinearLists& lists, const SparseArgs& moe) {
+  linears_.reserve(L_);  // the GEMMs and the shared experts below point into it
+  sparse_.resize(L_);
+  const int64_t n_linears = static_cast<int64_t>(lists.weights.size());
+  int64_t inter_max = 0, base = 0;
   for (int64_t l = 0; l < L_; ++l) {
-    linears_.push_back(
-        quasar::layer_linears(weights, tiles, scales, biases, comps, act_bits, w4, w4_groups, l, H_, nq_, nkv_));
-    const int64_t inter = linears_.back().inter;
+    TORCH_CHECK(base + 7 <= n_linears, "w8a8_decoder_layers: 7 linears per layer (and 3 per expert)");
+    const bool sparse = plan_sparse(l, lists, base, moe);
+    linears_.push_back(quasar::layer_linears(lists, base, H_, nq_, nkv_, !sparse || sparse_[l].shared_gate));
+    if (sparse_[l].shared_gate) sparse_[l].shared = &linears_.back().mlp;
+    base += 7 + 3 * sparse_[l].n_experts;
+    const int64_t inter = linears_.back().mlp.inter;
     inter_max = std::max(inter_max, inter);
     const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
     TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
@@ -409,6 +426,36 @@ void DecoderStep::plan_layers(const TensorList& norms, const TensorList& weights
                      qn.has_value() && qn->defined() ? float_data(*qn, D_, "q_norm") : nullptr,
                      kn.has_value() && kn->defined() ? float_data(*kn, D_, "k_norm") : nullptr, inter});
   }
+  TORCH_CHECK(base == n_linears, "w8a8_decoder_layers: 7 linears per layer and 3 per expert, got ", n_linears);
+  plan_buffers(inter_max, moe);
+}
+
+// Layer l's router, shared gate and experts (at lists[base + 7 ...], gate, up, down each)
+// into sparse_[l]; false for a dense layer (no router).
+bool DecoderStep::plan_sparse(int64_t l, const quasar::LinearLists& lists, int64_t base, const SparseArgs& moe) {
+  const std::optional<at::Tensor> router = moe.routers.get(l), gate = moe.shared_gates.get(l);
+  if (!router.has_value() || !router->defined()) return false;
+  quasar::SparseLayer& s = sparse_[l];
+  TORCH_CHECK(router->dim() == 2 && router->size(1) == H_, "w8a8_decoder_layers: a router must be [experts, H]");
+  s.n_experts = router->size(0);
+  s.router = float_data(*router, s.n_experts * H_, "a router");
+  s.top_k = moe.top_k[l], s.norm_topk = moe.norm_topk[l] != 0;
+  TORCH_CHECK(s.top_k >= 1 && s.top_k <= s.n_experts, "w8a8_decoder_layers: top_k must be 1..experts");
+  if (gate.has_value() && gate->defined()) s.shared_gate = float_data(*gate, H_, "a shared expert's gate");
+  TORCH_CHECK(base + 7 + 3 * s.n_experts <= static_cast<int64_t>(lists.weights.size()),
+              "w8a8_decoder_layers: 3 linears per expert");
+  int64_t w4_rows = 0;
+  for (int64_t e = 0; e < s.n_experts; ++e) {
+    s.experts.push_back(quasar::mlp_linears(lists, base + 7 + 3 * e, H_));
+    const quasar::MlpLinears& m = s.experts.back();
+    TORCH_CHECK(!(m.gate_up.n_w4 || m.down.n_w4) || quasar::w4_active_kernel(path_, &w4_rows) != nullptr,
+                "w8a8_decoder_layers: every W4A8 kernel path is disabled (the self-check failed)");
+  }
+  return true;
+}
+
+// The buffers the layers write, their GEMMs, and the sparse layers' step.
+void DecoderStep::plan_buffers(int64_t inter_max, const SparseArgs& moe) {
   out_ = x_.clone();
   xs_ = out_.data_ptr<float>();
   h_.resize(T_ * H_), proj_.resize(T_ * std::max(nqkv_, H_)), attn_.resize(T_ * nq_);
@@ -421,9 +468,22 @@ void DecoderStep::plan_layers(const TensorList& norms, const TensorList& weights
     const quasar::LayerLinears& g = linears_[l];
     gemms_.emplace_back(g.qkv, *acts_, T_, proj_.data(), nqkv_, path_);
     gemms_.emplace_back(g.o, *acts_, T_, proj_.data(), H_, path_);
-    gemms_.emplace_back(g.gate_up, *acts_, T_, gu_.data(), 2 * g.inter, path_);
-    gemms_.emplace_back(g.down, *acts_, T_, proj_.data(), H_, path_);
+    gemms_.emplace_back(g.mlp.gate_up, *acts_, T_, gu_.data(), 2 * g.mlp.inter, path_);
+    gemms_.emplace_back(g.mlp.down, *acts_, T_, proj_.data(), H_, path_);
   }
+  if (std::none_of(sparse_.begin(), sparse_.end(), [](const quasar::SparseLayer& s) { return s.n_experts > 0; }))
+    return;
+  int32_t* counts = nullptr;
+  int64_t stride = 0;
+  if (moe.counts.has_value() && moe.counts->defined()) {
+    const at::Tensor& c = *moe.counts;
+    for (const quasar::SparseLayer& s : sparse_) stride = std::max(stride, s.n_experts);
+    TORCH_CHECK(c.scalar_type() == at::kInt && c.is_contiguous() && c.dim() == 2 && c.size(0) == L_ &&
+                    c.size(1) >= stride,
+                "w8a8_decoder_layers: expert_counts must be a contiguous int32 [L, experts]");
+    counts = c.data_ptr<int32_t>(), stride = c.size(1);
+  }
+  sparse_step_.emplace(sparse_, T_, H_, path_, fk_, counts, stride);
 }
 
 // The whole step is one parallel region: each layer is a sequence of phases separated by
@@ -583,6 +643,10 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
     fk_.add_into(xs_ + tr.r0 * H_, proj_.data() + tr.r0 * H_, tr.nr * H_);
     fk_.rms_norm(xs_ + tr.r0 * H_, tr.nr, H_, p.w_post, feps_, h_.data() + tr.r0 * H_);
   }
+  if (sparse_[l].n_experts) {
+    sparse_step_->run(l, h_.data(), xs_, tr.tid, tr.nt, tr.r0, tr.r1);
+    return;
+  }
   lg[2].quantize(h_.data(), tr.r0, tr.r1);
 #pragma omp barrier
   lg[2].run(tr.tid, tr.nt);
@@ -608,33 +672,45 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
 // neither the other rows of its slot nor other slots change a bit of its result.
 // Per layer l, in order: norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm,
 // q_norm, k_norm (the last two None without qk-norm); weights / tiles / scales / biases /
-// comps / act_bits / w4 / w4_groups[7l .. 7l+6] = the linears q, k, v, o, gate, up, down:
-// an Int8Linear has w4_groups 0 and weight, tiles (the weight packed by int8_pack_tiles,
-// which the GEMMs read), scale, comp (128 * rowsum(weight), int32 [N]) and act_bits (8, or
-// 15 for split 15-bit activations as in Int8Linear); a W4A8Linear has w4_groups = its group
-// size, w4 = its weight packed by w4_pack, and None for the int8 ones; either may have a
-// bias. path: the kernel path ("" for the process default; cpu_features.h).
+// comps / act_bits / w4 / w4_groups: per layer 7 linears, q, k, v, o, gate, up, down (a
+// sparse layer's gate, up, down are its shared expert's, None without one), then for a
+// sparse layer gate, up, down of each expert: an Int8Linear has w4_groups 0 and weight,
+// tiles (the weight packed by int8_pack_tiles, which the GEMMs read), scale, comp (128 *
+// rowsum(weight), int32 [N]) and act_bits (8, or 15 for split 15-bit activations as in
+// Int8Linear); a W4A8Linear has w4_groups = its group size, w4 = its weight packed by
+// w4_pack, and None for the int8 ones; either may have a bias. Per layer l, a sparse layer
+// (quasar/models/moe.py, decoder_layer/sparse_mlp.h) has routers[l] = its router float32
+// [experts, H], shared_gates[l] its shared expert's gate float32 [1, H] (or None), top_k[l]
+// experts a row, renormalized when norm_topk[l] != 0; a dense layer has None, None, 0, 0.
+// expert_counts (None: not wanted) int32 [L, >= experts] gets each sparse layer's rows per
+// expert. path: the kernel path ("" for the process default; cpu_features.h).
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef slots,
                                at::IntArrayRef starts, at::IntArrayRef parents, const TensorList& norms, double eps,
                                const TensorList& weights, const TensorList& tiles, const TensorList& scales,
                                const TensorList& biases, const TensorList& comps, at::IntArrayRef act_bits,
-                               const TensorList& w4, at::IntArrayRef w4_groups, int64_t n_heads, int64_t n_kv_heads,
+                               const TensorList& w4, at::IntArrayRef w4_groups, const TensorList& routers,
+                               const TensorList& shared_gates, at::IntArrayRef top_k, at::IntArrayRef norm_topk,
+                               const std::optional<at::Tensor>& expert_counts, int64_t n_heads, int64_t n_kv_heads,
                                bool prefill, const std::string& path) {
   const KernelPath kernel_path = op_kernel_path(path, "w8a8_decoder_layers");
-  const int64_t n_linears = static_cast<int64_t>(weights.size());
-  const bool same_lengths = static_cast<int64_t>(tiles.size()) == n_linears &&
-                            static_cast<int64_t>(scales.size()) == n_linears &&
-                            static_cast<int64_t>(biases.size()) == n_linears &&
-                            static_cast<int64_t>(comps.size()) == n_linears &&
-                            static_cast<int64_t>(act_bits.size()) == n_linears &&
-                            static_cast<int64_t>(w4.size()) == n_linears &&
-                            static_cast<int64_t>(w4_groups.size()) == n_linears;
+  const int64_t n_linears = static_cast<int64_t>(weights.size()), n_layers = static_cast<int64_t>(routers.size());
+  TORCH_CHECK(static_cast<int64_t>(tiles.size()) == n_linears && static_cast<int64_t>(scales.size()) == n_linears &&
+                  static_cast<int64_t>(biases.size()) == n_linears &&
+                  static_cast<int64_t>(comps.size()) == n_linears &&
+                  static_cast<int64_t>(act_bits.size()) == n_linears &&
+                  static_cast<int64_t>(w4.size()) == n_linears &&
+                  static_cast<int64_t>(w4_groups.size()) == n_linears,
+              "w8a8_decoder_layers: the linears' lists must have the same length");
+  const bool same_layers = static_cast<int64_t>(shared_gates.size()) == n_layers &&
+                           static_cast<int64_t>(top_k.size()) == n_layers &&
+                           static_cast<int64_t>(norm_topk.size()) == n_layers;
   check_step_args(x, k_cache, v_cache, slots, starts, parents, static_cast<int64_t>(norms.size()),
-                  same_lengths ? n_linears : -1, n_heads, n_kv_heads, kernel_path);
+                  same_layers ? n_layers : -1, n_heads, n_kv_heads, kernel_path);
   DecoderStep step(x, cos, sin, k_cache, v_cache, slots, starts, parents, eps, n_heads, n_kv_heads, prefill,
                    kernel_path);
-  step.plan_layers(norms, weights, tiles, scales, biases, comps, act_bits, w4, w4_groups);
+  step.plan_layers(norms, {weights, tiles, scales, biases, comps, act_bits, w4, w4_groups},
+                   {routers, shared_gates, top_k, norm_topk, expert_counts});
   return step.run();
 }
 

@@ -41,23 +41,40 @@ struct InputLinears {
   int64_t n_w4 = 0, group = 0;  // the 4-bit ones' group size
 };
 
-// A layer's linears by input; inter = the MLP's intermediate size.
-struct LayerLinears {
-  InputLinears qkv, o, gate_up, down;
-  int64_t inter;
+// A SwiGLU MLP's linears by input (a dense layer's, an expert's, a shared expert's); inter =
+// its intermediate size, 0 for none (a sparse layer without a shared expert).
+struct MlpLinears {
+  InputLinears gate_up, down;
+  int64_t inter = 0;
 };
 
-// The buffers of the w8a8_decoder_layers op for the 7 linears of layer l (q, k, v, o, gate,
-// up, down at 7 l .. 7 l + 6): an Int8Linear has weight, tiles, scale and comp (w4 None), a
-// W4A8Linear w4 (the packed weight) and w4_groups > 0 (the others None); both may have a
-// bias. Checked against the head layout (H, nq = heads x D, nkv = kv heads x D); throws.
-LayerLinears layer_linears(const c10::List<std::optional<at::Tensor>>& weights,
-                           const c10::List<std::optional<at::Tensor>>& tiles,
-                           const c10::List<std::optional<at::Tensor>>& scales,
-                           const c10::List<std::optional<at::Tensor>>& biases,
-                           const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
-                           const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups, int64_t l,
-                           int64_t H, int64_t nq, int64_t nkv);
+// A layer's linears by input: attention's, and its dense MLP (or a sparse layer's shared expert).
+struct LayerLinears {
+  InputLinears qkv, o;
+  MlpLinears mlp;
+};
+
+// The op's lists of linear buffers (w8a8_decoder_layers): an Int8Linear has weight, tiles,
+// scale and comp (w4 None), a W4A8Linear w4 (the packed weight) and w4_groups > 0 (the others
+// None); both may have a bias.
+struct LinearLists {
+  const c10::List<std::optional<at::Tensor>>& weights;
+  const c10::List<std::optional<at::Tensor>>& tiles;
+  const c10::List<std::optional<at::Tensor>>& scales;
+  const c10::List<std::optional<at::Tensor>>& biases;
+  const c10::List<std::optional<at::Tensor>>& comps;
+  at::IntArrayRef act_bits;
+  const c10::List<std::optional<at::Tensor>>& w4;
+  at::IntArrayRef w4_groups;
+};
+
+// The linears q, k, v, o at lists[base .. base + 3] and, with `mlp`, gate, up, down at
+// [base + 4 .. base + 6], checked against the head layout (H, nq = heads x D, nkv = kv heads
+// x D); throws.
+LayerLinears layer_linears(const LinearLists& lists, int64_t base, int64_t H, int64_t nq, int64_t nkv, bool mlp);
+
+// The SwiGLU MLP gate, up, down at lists[base .. base + 2] of hidden size H; throws.
+MlpLinears mlp_linears(const LinearLists& lists, int64_t base, int64_t H);
 
 // Quantized activations of the GEMM at hand, for M rows of up to k_max features; phases are
 // separated by barriers, so one set serves every StepGemm of a step.
@@ -69,24 +86,34 @@ struct StepActs {
   std::vector<float> w4sx, w4xs;  // 4-bit: per row and group, rows of K / group
 };
 
-// The linears of one input over M rows, writing y [M, y_stride], on kernel path `path`. The
-// constructor checks (and may throw); quantize and run never throw, so they run inside the
-// OpenMP region. `in` and `acts` must outlive it.
+// The linears of one input over M rows, writing y [M, y_stride], on kernel path `path`; the
+// rows' activations are rows [row0, row0 + M) of `acts`. The constructor checks (and may
+// throw only when no W4A8 kernel is left, see w4_active_kernel); quantize and run never
+// throw, so they run inside the OpenMP region. `in` and `acts` must outlive it.
 class StepGemm {
  public:
-  StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride, KernelPath path);
+  StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride, KernelPath path,
+           int64_t row0 = 0);
   // Quantize rows [r0, r1) of x [M, K] in the forms the linears need.
   void quantize(const float* x, int64_t r0, int64_t r1) const;
   // Thread tid of nt: its share of the int8 vectors and of the 4-bit ones.
   void run(int tid, int nt) const;
+  // Its output vectors (16 columns of one linear each), the int8 ones first, and vectors
+  // [v0, v1) of them: for callers that split several StepGemms over their threads at once.
+  int64_t vectors() const { return i8_vectors() + w4_first_[in_->n_w4]; }
+  void run_vectors(int64_t v0, int64_t v1) const;
 
  private:
+  int64_t i8_vectors() const { return i8_ ? i8_->vectors() : 0; }
+  void run_w4(int64_t v0, int64_t v1) const;
+
   const InputLinears* in_;
   StepActs* acts_;
   int64_t M_;
   float* y_;
   int64_t y_stride_;
   KernelPath path_;
+  int64_t row0_;
   std::optional<SmallMGemm> i8_;
   W4RowsFn w4_kernel_ = nullptr;
   int64_t w4_rows_ = 1;
