@@ -125,10 +125,10 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # beside it, AMX in amx/): common/ (the kernel path, shared scalar and SIMD helpers),
 # gemm_w8a8/ (the int8 GEMM and its linear op), gemm_w4a8/ (the W4A8 GEMM and its op), step/
 # (the fused step's float kernels), attention/ (attention over a bfloat16 cache), amx/ (the
-# AMX GEMM and attention), decoder_layer/ (the fused step's orchestration and linears), head/
-# (per-row argmax / top-k and the refined head's logits); bindings.cpp registers every op
-# (ops.h). Files are named relative to CSRC, which is the include root. The cache digest
-# covers every file listed, names included.
+# AMX GEMM and attention), decoder_layer/ (the fused step's orchestration, linears and
+# sparse MLP), head/ (per-row argmax / top-k and the refined head's logits); bindings.cpp
+# registers every op (ops.h). Files are named relative to CSRC, which is the include root.
+# The cache digest covers every file listed, names included.
 SOURCES = tuple(CSRC / f for f in (
     "bindings.cpp", "common/cpu_features.cpp", "common/library_ops.cpp",
     "gemm_w8a8/generic.cpp", "gemm_w8a8/pack.cpp", "gemm_w8a8/x86_avx2.cpp", "gemm_w8a8/x86_avx512.cpp",
@@ -140,8 +140,7 @@ HEADERS = tuple(CSRC / f for f in (
     "ops.h", "common/cpu_features.h", "common/activation_quant.h", "common/simd_avx512.h", "common/head_dim.h",
     "gemm_w8a8/int8_gemm.h", "gemm_w8a8/kernels.h", "gemm_w4a8/w4a8_gemm.h", "gemm_w4a8/x86_common.h",
     "step/step_kernels.h", "step/vec8.inc", "attention/attention.h", "decoder_layer/step_linears.h",
-    "decoder_layer/sparse_mlp.h",
-    "head/row_topk.h"))
+    "decoder_layer/sparse_mlp.h", "head/row_topk.h"))
 # -ffp-contract=off: a fused multiply-add would round the epilogue differently from the
 # PyTorch path. No -march=native: the library may sit in a cache shared by other CPUs,
 # and the loops it would speed up are a small part of the call. -fopenmp: at::parallel_for

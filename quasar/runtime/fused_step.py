@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import operator
 import os
+from itertools import chain
 from typing import Any
 
 import torch
@@ -98,16 +99,19 @@ class FusedW8A8Step:
             ext.prefetch_whole_stream(costs.prefetch_whole)
         starts = [rows.starts[s] for s in rows.slots]
         y = self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, p.norms,
-                     cfg.rms_norm_eps, p.weights, p.tiles, p.scales, p.biases, p.comps, p.act_bits, p.w4,
-                     p.w4_groups, p.routers, p.shared_gates, p.top_k, p.norm_topk, p.counts, cfg.num_heads,
-                     cfg.num_kv_heads, prefill)
+                     cfg.rms_norm_eps, *p.linears.lists(), p.routers, p.shared_gates, p.top_k, p.norm_topk,
+                     p.experts, p.counts, cfg.num_heads, cfg.num_kv_heads, prefill)
         if p.sparse:
             _report_experts(p)
+            if not _experts_unchanged(p):  # an expert it ran was replaced: again with the current ones
+                self._plan = None
+                return self(x, cos, sin, cache, rows, prefill)
         return y
 
     def _unchanged(self) -> bool:
         """Every watched object is still in place: ~1,500 identity checks at 30 layers, run
-        with map() so a step spends microseconds on them, not a millisecond."""
+        with map() so a step spends microseconds on them, not a millisecond. A sparse layer's
+        experts are checked after a step, only those it ran (_experts_unchanged)."""
         dicts, keys, objects = self._watch
         return all(map(operator.is_, map(dict.get, dicts, keys), objects))
 
@@ -132,18 +136,16 @@ class FusedW8A8Step:
                 return False
         if plan.sparse:
             plan.counts = torch.zeros(len(layers), max(len(b.experts) for _, b in plan.sparse), dtype=torch.int32)
+        plan.experts = torch.ops.quasar_quant.w8a8_expert_plan(
+            *plan.expert_linears.lists(), [len(b.experts) for _, b in plan.sparse], self.model.config.hidden_size)
         self._plan, self._watch = plan, tuple(zip(*watch))
         return True
 
 
-class _Plan:
-    """The op's per-layer argument lists (decoder_layer.cpp): 4 norms and 7 linears a layer
-    (a sparse layer: its shared expert's gate, up, down, or None, then each expert's three);
-    a sparse layer's router, shared gate, top-k and renormalization (None, None, 0, 0 for a
-    dense layer)."""
+class _Linears:
+    """The op's lists of linear buffers, one entry per linear (decoder_layer.cpp)."""
 
     def __init__(self) -> None:
-        self.norms: list = []
         self.weights: list = []  # Int8Linear: weight, tiles, scale, comp, act_bits; W4A8Linear: None, 8
         self.tiles: list = []
         self.scales: list = []
@@ -152,39 +154,54 @@ class _Plan:
         self.biases: list = []
         self.w4: list = []  # W4A8Linear: the weight in the op's layout (ext.pack_w4); Int8Linear: None
         self.w4_groups: list[int] = []  # W4A8Linear: its group size; Int8Linear: 0
+
+    def lists(self) -> tuple:
+        """In the op's order."""
+        return self.weights, self.tiles, self.scales, self.biases, self.comps, self.act_bits, self.w4, self.w4_groups
+
+
+class _Plan:
+    """The op's per-layer arguments (decoder_layer.cpp): 4 norms and 7 linears a layer (a
+    sparse layer's shared expert's gate, up, down, or None); a sparse layer's router, shared
+    gate, top-k and renormalization (None, None, 0, 0 for a dense layer); the sparse layers'
+    experts, checked once into the op's ExpertPlan (sparse_mlp.h)."""
+
+    def __init__(self) -> None:
+        self.norms: list = []
+        self.linears = _Linears()
+        self.expert_linears = _Linears()  # gate, up, down of each expert, sparse layer after sparse layer
+        self.experts: Any = None  # the op's ExpertPlan of expert_linears
         self.routers: list = []
         self.shared_gates: list = []
         self.top_k: list[int] = []
         self.norm_topk: list[int] = []
         self.sparse: list[tuple[int, SparseMoE]] = []  # (layer index, block)
         self.counts: Tensor | None = None  # int32 [layers, experts]: rows per expert of the last step
+        # per sparse layer, per expert: (owner dicts, keys, objects) of what to recheck once a
+        # step ran the expert (a step reads only the experts it reaches)
+        self.expert_watch: list[list[tuple]] = []
 
 
 def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
     """Append one decoder layer's norms, linears and (sparse layer) router and experts to the
-    plan (and what to watch); False if the op cannot run it."""
+    plan (and what to watch; a sparse layer's experts to plan.expert_watch); False if the op
+    cannot run it."""
     attn, mlp = layer.self_attn, layer.mlp
     sparse = isinstance(mlp, SparseMoE)
     watch += [(layer._modules, "self_attn", attn), (layer._modules, "mlp", mlp)]
     watch += [(attn._modules, name, getattr(attn, name)) for name in _ATTENTION]
-    linears: list[nn.Module | None] = [getattr(attn, name) for name in _ATTENTION]
-    groups = [linears[:3]]  # q, k, v (and each MLP's gate, up) share their input
-    mlps = ([mlp.shared_expert] if sparse and mlp.has_shared else []) + (list(mlp.experts) if sparse else [mlp])
-    for block in mlps:
-        watch += [(block._modules, name, getattr(block, name)) for name in _MLP]
-        groups.append([block.gate_proj, block.up_proj])
-    if sparse and not mlp.has_shared:
-        linears += [None] * 3
-    linears += [getattr(block, name) for block in mlps for name in _MLP]
-    if not all(_shared_input_agrees(group) for group in groups):
+    if not _shared_input_agrees([getattr(attn, name) for name in _ATTENTION[:3]]):  # q, k, v
         return False
     layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
     layer_norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
     if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
         return False
-    if not all(_linear_args(m, plan, watch) for m in linears):
+    if not all(_linear_args(getattr(attn, name), plan.linears, watch) for name in _ATTENTION):
         return False
-    if not _router_args(layer, plan, watch):
+    dense = (mlp.shared_expert if mlp.has_shared else None) if sparse else mlp  # a shared expert: 7 linears
+    if not (_mlp_args(dense, plan.linears, watch) and _router_args(layer, plan, watch)):
+        return False
+    if sparse and not _experts_args(mlp, plan):
         return False
     for n in layer_norms:
         watch.append((n._parameters, "weight", n.weight))
@@ -196,14 +213,36 @@ def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
     return True
 
 
+def _mlp_args(block: nn.Module | None, linears: _Linears, watch: list) -> bool:
+    """Append an MLP's gate, up and down (None: three absent linears) to `linears`."""
+    if block is None:
+        return all(_linear_args(None, linears, watch) for _ in _MLP)
+    watch += [(block._modules, name, getattr(block, name)) for name in _MLP]
+    return _shared_input_agrees([block.gate_proj, block.up_proj]) and \
+        all(_linear_args(getattr(block, name), linears, watch) for name in _MLP)
+
+
+def _experts_args(mlp: SparseMoE, plan: _Plan) -> bool:
+    """Append a sparse layer's experts to the plan, each with its own watch (checked after a
+    step that ran it: plan.expert_watch)."""
+    watches = []
+    for e, expert in enumerate(mlp.experts):
+        watch = [(mlp.experts._modules, str(e), expert)]
+        if not _mlp_args(expert, plan.expert_linears, watch):
+            return False
+        watches.append(tuple(zip(*watch)))
+    plan.expert_watch.append(watches)
+    return True
+
+
 def _shared_input_agrees(linears: list) -> bool:
     """Linears sharing an input agree on its quantization (one form per kind)."""
     return len({m.act_bits for m in linears if isinstance(m, Int8Linear)}) <= 1 and \
         len({m.group for m in linears if isinstance(m, W4A8Linear)}) <= 1
 
 
-def _linear_args(m: nn.Module | None, plan: _Plan, watch: list) -> bool:
-    """Append one linear (None: a sparse layer's absent shared expert) to the plan."""
+def _linear_args(m: nn.Module | None, plan: _Linears, watch: list) -> bool:
+    """Append one linear (None: a sparse layer's absent shared expert) to `plan`."""
     if m is None:
         for role in (plan.weights, plan.tiles, plan.scales, plan.comps, plan.biases, plan.w4):
             role.append(None)
@@ -234,12 +273,20 @@ def _router_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
     plan.sparse.append((len(plan.routers) - 1, mlp))
     watch += [(r._parameters, "weight", r.weight) for r in routers]
     watch += [(mlp._modules, "gate", mlp.gate), (mlp._modules, "experts", mlp.experts)]
-    watch += [(mlp.experts._modules, str(e), expert) for e, expert in enumerate(mlp.experts)]
     watch += [(mlp.__dict__, "top_k", mlp.top_k), (mlp.__dict__, "norm_topk_prob", mlp.norm_topk_prob)]
     if mlp.has_shared:
         watch += [(mlp._modules, "shared_expert", mlp.shared_expert),
                   (mlp._modules, "shared_expert_gate", mlp.shared_expert_gate)]
     return True
+
+
+def _experts_unchanged(plan: _Plan) -> bool:
+    """Every expert the last step ran is still in place (what its watch names)."""
+    touched = [watches[e] for (_, block), watches in zip(plan.sparse, plan.expert_watch) for e in block.last_experts]
+    if not touched:
+        return True
+    dicts, keys, objects = (chain.from_iterable(column) for column in zip(*touched))
+    return all(map(operator.is_, map(dict.get, dicts, keys), objects))
 
 
 def _report_experts(plan: _Plan) -> None:
@@ -251,7 +298,7 @@ def _report_experts(plan: _Plan) -> None:
         block.last_experts = touched[layer]
 
 
-def _int8_args(m: Int8Linear, plan: _Plan, watch: list) -> bool:
+def _int8_args(m: Int8Linear, plan: _Linears, watch: list) -> bool:
     """Append an Int8Linear's buffers to the plan (and what to watch); False if the op cannot run it."""
     if m.resolved_backend() != "cpu":
         return False
@@ -276,7 +323,7 @@ def _int8_args(m: Int8Linear, plan: _Plan, watch: list) -> bool:
     return True
 
 
-def _w4a8_args(m: W4A8Linear, plan: _Plan, watch: list) -> bool:
+def _w4a8_args(m: W4A8Linear, plan: _Linears, watch: list) -> bool:
     """Append a W4A8Linear's packed weight to the plan (and what to watch); False if the op
     cannot run it (no W4A8 op, groups that do not divide its input)."""
     kernel = m.op_and_packing()  # None without the W4A8 op (or its self-check failed), or for ragged groups

@@ -183,6 +183,29 @@ def test_batch_rows_are_bitwise_each_sequence_alone(models, verifier):
     assert torch.equal(together, torch.cat(alone))
 
 
+def test_a_step_runs_the_experts_in_place_now(models):
+    """Experts are checked after a step, only those it ran: a replaced down projection is
+    noticed and the step computed again with it (close to the modules' logits)."""
+    _, q = models["mixtral", "w8a8"]
+    before, _ = step_logits(q, 3, fused=True)
+    block = q.model.layers[0].mlp
+    old = [e.down_proj for e in block.experts]
+    torch.manual_seed(5)
+    try:
+        for e in block.experts:
+            e.down_proj = Int8Linear.from_float(torch.nn.Linear(e.down_proj.in_features, e.down_proj.out_features,
+                                                                bias=False), act_bits=15)
+        with fused_calls(q) as calls:
+            fused, _ = step_logits(q, 3, fused=True)
+        modules, _ = step_logits(q, 3, fused=False)
+    finally:
+        for e, down in zip(block.experts, old):
+            e.down_proj = down
+    assert calls and all(calls)
+    assert not torch.equal(fused, before)
+    assert float((fused - modules).abs().max() / modules.abs().max()) < 0.05
+
+
 @pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_speculative_equals_autoregressive_through_the_fused_step(family, verifier, tmp_path, monkeypatch):

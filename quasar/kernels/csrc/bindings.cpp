@@ -4,6 +4,7 @@
 // kernel_path; cpu_features.h), so a test or a benchmark can run any path the CPU has in one
 // process.
 #include "ops.h"
+#include "decoder_layer/sparse_mlp.h"
 
 #include <torch/library.h>
 
@@ -34,13 +35,20 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.def("w4a8_kernel_path(str disable=\"\") -> str", &w4a8_kernel_path);
 
   // the fused decoder step
+  m.class_<quasar::ExpertPlan>("ExpertPlan");
+  m.def(
+      "w8a8_expert_plan(Tensor?[] weights, Tensor?[] tiles, Tensor?[] scales, Tensor?[] biases, Tensor?[] comps, "
+      "int[] act_bits, Tensor?[] w4, int[] w4_groups, int[] experts, int hidden) -> "
+      "__torch__.torch.classes.quasar_quant.ExpertPlan",
+      &w8a8_expert_plan);
   m.def("w8a8_bf16_supported(str path=\"\") -> bool", &w8a8_bf16_supported);
   m.def("w8a8_amx_attention_supported(str path=\"\") -> bool", &w8a8_amx_attention_supported);
   m.def(
       "w8a8_decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "int[] slots, int[] starts, int[] parents, Tensor?[] norms, float eps, Tensor?[] weights, Tensor?[] tiles, "
       "Tensor?[] scales, Tensor?[] biases, Tensor?[] comps, int[] act_bits, Tensor?[] w4, int[] w4_groups, "
-      "Tensor?[] routers, Tensor?[] shared_gates, int[] top_k, int[] norm_topk, Tensor(c!)? expert_counts, "
+      "Tensor?[] routers, Tensor?[] shared_gates, int[] top_k, int[] norm_topk, "
+      "__torch__.torch.classes.quasar_quant.ExpertPlan experts, Tensor(c!)? expert_counts, "
       "int n_heads, int n_kv_heads, bool prefill=False, str path=\"\") -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 

@@ -5,11 +5,16 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
+
+namespace quasar {
+struct ExpertPlan;  // decoder_layer/sparse_mlp.h
+}
 
 // common/library_ops.cpp: the kernel path and the library's threads
 std::string kernel_path_op(const std::string& cap);
@@ -48,9 +53,17 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups,
                                const c10::List<std::optional<at::Tensor>>& routers,
                                const c10::List<std::optional<at::Tensor>>& shared_gates, at::IntArrayRef top_k,
-                               at::IntArrayRef norm_topk, const std::optional<at::Tensor>& expert_counts,
+                               at::IntArrayRef norm_topk, const c10::intrusive_ptr<quasar::ExpertPlan>& experts,
+                               const std::optional<at::Tensor>& expert_counts,
                                int64_t n_heads, int64_t n_kv_heads, bool prefill, const std::string& path);
 bool w8a8_bf16_supported(const std::string& path);
+// decoder_layer/sparse_mlp.cpp: a model's experts, checked once for the fused step
+c10::intrusive_ptr<quasar::ExpertPlan> w8a8_expert_plan(
+    const c10::List<std::optional<at::Tensor>>& weights, const c10::List<std::optional<at::Tensor>>& tiles,
+    const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& biases,
+    const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
+    const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups, at::IntArrayRef experts,
+    int64_t hidden);
 bool w8a8_amx_attention_supported(const std::string& path);
 
 // head/: a step's logits

@@ -14,7 +14,9 @@
 //   written to its slot past the slot's committed length; attention of each row over its
 //   slot's committed keys and then its path (for a chain: keys [0, start + i]);
 //   x += W_o(attn);
-//   h = rmsnorm(x) * w_post; x += W_down(silu(W_gate(h)) * W_up(h)).
+//   h = rmsnorm(x) * w_post; x += W_down(silu(W_gate(h)) * W_up(h)), or in a mixture-of-
+//   experts layer x += its sparse MLP of h (sparse_mlp.h: router, each expert the rows
+//   reach once over them, an optional shared expert).
 // The cache is float32, or bfloat16: with AVX512-BF16 attend_group_bf16 takes bf16
 // products, float32 softmax and sums (ARCHITECTURE.md, "The KV cache in bfloat16"); below
 // the AVX512 paths the 8-float kernels widen the stored bf16 to float32.
@@ -270,6 +272,7 @@ struct SparseArgs {
   const TensorList& routers;
   const TensorList& shared_gates;
   at::IntArrayRef top_k, norm_topk;
+  const quasar::ExpertPlan& experts;
   const std::optional<at::Tensor>& counts;
 };
 
@@ -289,7 +292,7 @@ class DecoderStep {
  private:
   int64_t n_blocks(int64_t n) const { return blocked_ ? (n + kBlockKeys - 1) / kBlockKeys : int64_t{1}; }
   void plan_attention();
-  bool plan_sparse(int64_t l, const quasar::LinearLists& lists, int64_t base, const SparseArgs& moe);
+  bool plan_sparse(int64_t l, int64_t sparse_index, const SparseArgs& moe);
   void plan_buffers(int64_t inter_max, const SparseArgs& moe);
   void attention_block(int64_t l, const ThreadRows& tr, AttentionScratch& sc);
   void rope_and_store(int64_t l, const ThreadRows& tr);
@@ -406,16 +409,15 @@ void DecoderStep::plan_attention() {
 }
 
 void DecoderStep::plan_layers(const TensorList& norms, const quasar::LinearLists& lists, const SparseArgs& moe) {
+  TORCH_CHECK(static_cast<int64_t>(lists.weights.size()) == 7 * L_, "w8a8_decoder_layers: 7 linears per layer");
   linears_.reserve(L_);  // the GEMMs and the shared experts below point into it
   sparse_.resize(L_);
-  const int64_t n_linears = static_cast<int64_t>(lists.weights.size());
-  int64_t inter_max = 0, base = 0;
+  int64_t inter_max = 0, n_sparse = 0;
   for (int64_t l = 0; l < L_; ++l) {
-    TORCH_CHECK(base + 7 <= n_linears, "w8a8_decoder_layers: 7 linears per layer (and 3 per expert)");
-    const bool sparse = plan_sparse(l, lists, base, moe);
-    linears_.push_back(quasar::layer_linears(lists, base, H_, nq_, nkv_, !sparse || sparse_[l].shared_gate));
+    const bool sparse = plan_sparse(l, n_sparse, moe);
+    n_sparse += sparse;
+    linears_.push_back(quasar::layer_linears(lists, 7 * l, H_, nq_, nkv_, !sparse || sparse_[l].shared_gate));
     if (sparse_[l].shared_gate) sparse_[l].shared = &linears_.back().mlp;
-    base += 7 + 3 * sparse_[l].n_experts;
     const int64_t inter = linears_.back().mlp.inter;
     inter_max = std::max(inter_max, inter);
     const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
@@ -426,13 +428,15 @@ void DecoderStep::plan_layers(const TensorList& norms, const quasar::LinearLists
                      qn.has_value() && qn->defined() ? float_data(*qn, D_, "q_norm") : nullptr,
                      kn.has_value() && kn->defined() ? float_data(*kn, D_, "k_norm") : nullptr, inter});
   }
-  TORCH_CHECK(base == n_linears, "w8a8_decoder_layers: 7 linears per layer and 3 per expert, got ", n_linears);
+  TORCH_CHECK(n_sparse == static_cast<int64_t>(moe.experts.layers.size()),
+              "w8a8_decoder_layers: the expert plan has ", moe.experts.layers.size(), " sparse layers, the model ",
+              n_sparse);
   plan_buffers(inter_max, moe);
 }
 
-// Layer l's router, shared gate and experts (at lists[base + 7 ...], gate, up, down each)
+// Layer l's router, shared gate and experts (the expert plan's sparse layer `sparse_index`)
 // into sparse_[l]; false for a dense layer (no router).
-bool DecoderStep::plan_sparse(int64_t l, const quasar::LinearLists& lists, int64_t base, const SparseArgs& moe) {
+bool DecoderStep::plan_sparse(int64_t l, int64_t sparse_index, const SparseArgs& moe) {
   const std::optional<at::Tensor> router = moe.routers.get(l), gate = moe.shared_gates.get(l);
   if (!router.has_value() || !router->defined()) return false;
   quasar::SparseLayer& s = sparse_[l];
@@ -442,15 +446,16 @@ bool DecoderStep::plan_sparse(int64_t l, const quasar::LinearLists& lists, int64
   s.top_k = moe.top_k[l], s.norm_topk = moe.norm_topk[l] != 0;
   TORCH_CHECK(s.top_k >= 1 && s.top_k <= s.n_experts, "w8a8_decoder_layers: top_k must be 1..experts");
   if (gate.has_value() && gate->defined()) s.shared_gate = float_data(*gate, H_, "a shared expert's gate");
-  TORCH_CHECK(base + 7 + 3 * s.n_experts <= static_cast<int64_t>(lists.weights.size()),
-              "w8a8_decoder_layers: 3 linears per expert");
+  const auto& layers = moe.experts.layers;
+  TORCH_CHECK(sparse_index < static_cast<int64_t>(layers.size()) &&
+                  static_cast<int64_t>(layers[sparse_index].size()) == s.n_experts,
+              "w8a8_decoder_layers: the expert plan does not have the router's experts");
+  s.experts = layers[sparse_index].data();
   int64_t w4_rows = 0;
-  for (int64_t e = 0; e < s.n_experts; ++e) {
-    s.experts.push_back(quasar::mlp_linears(lists, base + 7 + 3 * e, H_));
-    const quasar::MlpLinears& m = s.experts.back();
-    TORCH_CHECK(!(m.gate_up.n_w4 || m.down.n_w4) || quasar::w4_active_kernel(path_, &w4_rows) != nullptr,
-                "w8a8_decoder_layers: every W4A8 kernel path is disabled (the self-check failed)");
-  }
+  TORCH_CHECK(!moe.experts.w4[sparse_index] || quasar::w4_active_kernel(path_, &w4_rows) != nullptr,
+              "w8a8_decoder_layers: every W4A8 kernel path is disabled (the self-check failed)");
+  for (int64_t e = 0; e < s.n_experts; ++e)
+    TORCH_CHECK(s.experts[e].gate_up.k == H_, "w8a8_decoder_layers: an expert's hidden size is not the model's");
   return true;
 }
 
@@ -672,9 +677,8 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
 // neither the other rows of its slot nor other slots change a bit of its result.
 // Per layer l, in order: norms[4l .. 4l+3] = input_layernorm, post_attention_layernorm,
 // q_norm, k_norm (the last two None without qk-norm); weights / tiles / scales / biases /
-// comps / act_bits / w4 / w4_groups: per layer 7 linears, q, k, v, o, gate, up, down (a
-// sparse layer's gate, up, down are its shared expert's, None without one), then for a
-// sparse layer gate, up, down of each expert: an Int8Linear has w4_groups 0 and weight,
+// comps / act_bits / w4 / w4_groups[7l .. 7l+6] = the linears q, k, v, o, gate, up, down (a
+// sparse layer's gate, up, down are its shared expert's, None without one): an Int8Linear has w4_groups 0 and weight,
 // tiles (the weight packed by int8_pack_tiles, which the GEMMs read), scale, comp (128 *
 // rowsum(weight), int32 [N]) and act_bits (8, or 15 for split 15-bit activations as in
 // Int8Linear); a W4A8Linear has w4_groups = its group size, w4 = its weight packed by
@@ -682,6 +686,7 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
 // (quasar/models/moe.py, decoder_layer/sparse_mlp.h) has routers[l] = its router float32
 // [experts, H], shared_gates[l] its shared expert's gate float32 [1, H] (or None), top_k[l]
 // experts a row, renormalized when norm_topk[l] != 0; a dense layer has None, None, 0, 0.
+// experts: the sparse layers' experts, in layer order (w8a8_expert_plan; empty without any).
 // expert_counts (None: not wanted) int32 [L, >= experts] gets each sparse layer's rows per
 // expert. path: the kernel path ("" for the process default; cpu_features.h).
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -691,6 +696,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                const TensorList& biases, const TensorList& comps, at::IntArrayRef act_bits,
                                const TensorList& w4, at::IntArrayRef w4_groups, const TensorList& routers,
                                const TensorList& shared_gates, at::IntArrayRef top_k, at::IntArrayRef norm_topk,
+                               const c10::intrusive_ptr<quasar::ExpertPlan>& experts,
                                const std::optional<at::Tensor>& expert_counts, int64_t n_heads, int64_t n_kv_heads,
                                bool prefill, const std::string& path) {
   const KernelPath kernel_path = op_kernel_path(path, "w8a8_decoder_layers");
@@ -710,7 +716,7 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
   DecoderStep step(x, cos, sin, k_cache, v_cache, slots, starts, parents, eps, n_heads, n_kv_heads, prefill,
                    kernel_path);
   step.plan_layers(norms, {weights, tiles, scales, biases, comps, act_bits, w4, w4_groups},
-                   {routers, shared_gates, top_k, norm_topk, expert_counts});
+                   {routers, shared_gates, top_k, norm_topk, *experts, expert_counts});
   return step.run();
 }
 

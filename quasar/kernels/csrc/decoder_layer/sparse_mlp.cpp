@@ -47,7 +47,7 @@ SparseStep::SparseStep(const std::vector<SparseLayer>& layers, int64_t T, int64_
   for (const SparseLayer& s : layers) {
     K_max_ = std::max(K_max_, s.top_k);
     experts_max = std::max(experts_max, s.n_experts);
-    for (const MlpLinears& e : s.experts) inter_max_ = std::max(inter_max_, e.inter);
+    for (int64_t e = 0; e < s.n_experts; ++e) inter_max_ = std::max(inter_max_, s.experts[e].inter);
     if (s.shared) inter_max_ = std::max(inter_max_, s.shared->inter);
     shared = shared || s.shared != nullptr;
   }
@@ -232,3 +232,39 @@ void SparseStep::combine(const SparseLayer& s, float* x, int64_t r0, int64_t r1)
 }
 
 }  // namespace quasar
+
+// The linears of every sparse layer's experts (weights / tiles / scales / biases / comps /
+// act_bits / w4 / w4_groups as w8a8_decoder_layers takes them: gate, up, down of each expert,
+// layer after layer; experts[i] = sparse layer i's experts) of hidden size `hidden`, checked
+// into an ExpertPlan for w8a8_decoder_layers.
+c10::intrusive_ptr<quasar::ExpertPlan> w8a8_expert_plan(
+    const c10::List<std::optional<at::Tensor>>& weights, const c10::List<std::optional<at::Tensor>>& tiles,
+    const c10::List<std::optional<at::Tensor>>& scales, const c10::List<std::optional<at::Tensor>>& biases,
+    const c10::List<std::optional<at::Tensor>>& comps, at::IntArrayRef act_bits,
+    const c10::List<std::optional<at::Tensor>>& w4, at::IntArrayRef w4_groups, at::IntArrayRef experts,
+    int64_t hidden) {
+  const int64_t n = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(static_cast<int64_t>(tiles.size()) == n && static_cast<int64_t>(scales.size()) == n &&
+                  static_cast<int64_t>(biases.size()) == n && static_cast<int64_t>(comps.size()) == n &&
+                  static_cast<int64_t>(act_bits.size()) == n && static_cast<int64_t>(w4.size()) == n &&
+                  static_cast<int64_t>(w4_groups.size()) == n,
+              "w8a8_expert_plan: the linears' lists must have the same length");
+  const quasar::LinearLists lists{weights, tiles, scales, biases, comps, act_bits, w4, w4_groups};
+  auto plan = c10::make_intrusive<quasar::ExpertPlan>();
+  int64_t base = 0;
+  for (const int64_t count : experts) {
+    TORCH_CHECK(count >= 1 && base + 3 * count <= n, "w8a8_expert_plan: 3 linears per expert");
+    std::vector<quasar::MlpLinears>& layer = plan->layers.emplace_back();
+    bool w4_layer = false;
+    for (int64_t e = 0; e < count; ++e, base += 3) {
+      layer.push_back(quasar::mlp_linears(lists, base, hidden));
+      w4_layer = w4_layer || layer.back().gate_up.n_w4 || layer.back().down.n_w4;
+    }
+    plan->w4.push_back(w4_layer);
+  }
+  TORCH_CHECK(base == n, "w8a8_expert_plan: 3 linears per expert, got ", n);
+  for (const auto* list : {&weights, &tiles, &scales, &biases, &comps, &w4})
+    for (int64_t i = 0; i < n; ++i)
+      if (const std::optional<at::Tensor> t = list->get(i); t.has_value() && t->defined()) plan->tensors.push_back(*t);
+  return plan;
+}

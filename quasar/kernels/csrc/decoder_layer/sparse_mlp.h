@@ -17,19 +17,31 @@
 #include "decoder_layer/step_linears.h"
 #include "step/step_kernels.h"
 
+#include <torch/custom_class.h>
+
 #include <cstdint>
 #include <vector>
 
 namespace quasar {
 
+// The experts of a model's sparse layers, checked once (the w8a8_expert_plan op) and kept
+// between steps, so a step's argument lists carry no expert: per sparse layer, in layer
+// order, each expert's linears and whether any is 4-bit, and the tensors they point into.
+struct ExpertPlan : torch::CustomClassHolder {
+  std::vector<std::vector<MlpLinears>> layers;
+  std::vector<bool> w4;
+  std::vector<at::Tensor> tensors;
+};
+
 // One sparse layer: the router float32 [n_experts, H], top_k experts a row (renormalized
-// over the k with norm_topk), each expert's linears, and an optional shared expert (null:
-// none) scaled by sigmoid(shared_gate . h) (shared_gate float32 [H]).
+// over the k with norm_topk), each expert's linears (n_experts of them, in an ExpertPlan),
+// and an optional shared expert (null: none) scaled by sigmoid(shared_gate . h)
+// (shared_gate float32 [H]).
 struct SparseLayer {
   const float* router = nullptr;
   int64_t n_experts = 0, top_k = 0;
   bool norm_topk = false;
-  std::vector<MlpLinears> experts;
+  const MlpLinears* experts = nullptr;
   const MlpLinears* shared = nullptr;
   const float* shared_gate = nullptr;
 };
