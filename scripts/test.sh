@@ -8,4 +8,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
   (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null
 fi
 . .venv/bin/activate
-exec python -m pytest -q -rs "$@"
+exec python -m pytest -q -rs --durations=15 "$@"
