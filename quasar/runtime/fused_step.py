@@ -16,7 +16,9 @@ A mixture-of-experts layer (quasar.models.moe.SparseMoE, any mix with dense laye
 the same call (``csrc/decoder_layer/sparse_mlp.h``): its float32 router per row, each expert
 the step's rows reach once over all of them, a shared expert where the block has one; the op
 reports the experts each layer ran, which become the blocks' ``last_experts`` as their forward
-sets them (``step_cost.touched_bytes`` reads them).
+sets them (``step_cost.touched_bytes`` reads them). Gemma 3's block (quasar.models.gemma3)
+runs in it too: its six norms (passed as 1 + w), GELU-tanh, query scale, and its sliding
+layers' RoPE table and window (a row past the window attends to its last `window` keys).
 
 Each row is computed alone in a fixed order, so a token's logits are bitwise the same
 whether it is verified alone, with drafts or beside other sequences (greedy speculative ==
@@ -97,10 +99,16 @@ class FusedW8A8Step:
         costs = self.model.step_costs
         if costs is not None and costs.prefetch_whole is not None:  # this model's measured way
             ext.prefetch_whole_stream(costs.prefetch_whole)
+        block = {}
+        if p.gemma:
+            if cos.dim() == 3:  # stacked: the global layers' table, then the sliding layers'
+                block = dict(cos_local=cos[1].contiguous(), sin_local=sin[1].contiguous())
+                cos, sin = cos[0].contiguous(), sin[0].contiguous()
+            block.update(local_layers=p.local_layers, window=p.window or 0, attn_scale=p.attn_scale, gelu=1)
         starts = [rows.starts[s] for s in rows.slots]
         y = self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, p.norms,
                      cfg.rms_norm_eps, *p.linears.lists(), p.routers, p.shared_gates, p.top_k, p.norm_topk,
-                     p.experts, p.counts, cfg.num_heads, cfg.num_kv_heads, prefill)
+                     p.experts, p.counts, cfg.num_heads, cfg.num_kv_heads, prefill, **block)
         if p.sparse:
             _report_experts(p)
             if not _experts_unchanged(p):  # an expert it ran was replaced: again with the current ones
@@ -118,8 +126,6 @@ class FusedW8A8Step:
     def _build(self) -> bool:
         """(Re)build the per-layer argument lists; False when the fused layer cannot run."""
         self._plan, self._watch = None, ((), (), ())
-        if self.model.config.sandwich_norms:
-            return False  # the op runs the Llama block only: Gemma 3 runs the modules
         self._op = ext.decoder_layer_op()
         if self._op is None:
             return False
@@ -128,6 +134,8 @@ class FusedW8A8Step:
             return False
         layers = self.model.model.layers
         plan = _Plan()
+        if self.model.config.sandwich_norms and not _gemma_block(self.model, plan):
+            return False
         # Anything swapped later (a module, a tensor, a repack) invalidates the plan.
         watch = [(self.model.model._modules, "layers", layers)]
         for idx, layer in enumerate(layers):
@@ -180,6 +188,39 @@ class _Plan:
         # per sparse layer, per expert: (owner dicts, keys, objects) of what to recheck once a
         # step ran the expert (a step reads only the experts it reaches)
         self.expert_watch: list[list[tuple]] = []
+        # Gemma 3's block (quasar.models.gemma3): six norms a layer, each 1 + w; GELU-tanh;
+        # its attention scale; which layers take the sliding layers' RoPE table; their window
+        self.gemma = False
+        self.attn_scale = 0.0
+        self.local_layers: list[int] = []
+        self.window: int | None = None
+
+
+def _gemma_block(model: nn.Module, plan: _Plan) -> bool:
+    """Gemma 3's block settings into the plan; False where the op cannot run it (another
+    GELU, per-layer scales, more than one window)."""
+    layers = model.model.layers
+    attns = [layer.self_attn for layer in layers]
+    scales = {a.scale for a in attns}
+    windows = {a.window for a in attns} - {None}
+    if len(scales) != 1 or None in scales or len(windows) > 1 or \
+            any(getattr(layer.mlp, "approximate", None) != "tanh" for layer in layers):
+        return False
+    plan.gemma, plan.attn_scale = True, float(scales.pop())
+    plan.local_layers = [int(a.rope_table == 1) for a in attns]
+    plan.window = windows.pop() if windows else None
+    return True
+
+
+def _layer_norms(layer: nn.Module) -> list[tuple[dict, str]]:
+    """(owner's modules, name) of the norms the op takes, in its order: input, MLP input,
+    (q, k); Gemma 3's also the attention's and the MLP's output norms."""
+    attn, own = layer.self_attn, layer._modules
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        return [(own, "input_layernorm"), (own, "pre_feedforward_layernorm"), (attn._modules, "q_norm"),
+                (attn._modules, "k_norm"), (own, "post_attention_layernorm"), (own, "post_feedforward_layernorm")]
+    qk = [(attn._modules, "q_norm"), (attn._modules, "k_norm")] if attn.qk_norm else []
+    return [(own, "input_layernorm"), (own, "post_attention_layernorm"), *qk]
 
 
 def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
@@ -192,8 +233,8 @@ def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
     watch += [(attn._modules, name, getattr(attn, name)) for name in _ATTENTION]
     if not _shared_input_agrees([getattr(attn, name) for name in _ATTENTION[:3]]):  # q, k, v
         return False
-    layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    layer_norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
+    named_norms = _layer_norms(layer)
+    layer_norms = [owner[name] for owner, name in named_norms]
     if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
         return False
     if not all(_linear_args(getattr(attn, name), plan.linears, watch) for name in _ATTENTION):
@@ -205,11 +246,11 @@ def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
         return False
     for n in layer_norms:
         watch.append((n._parameters, "weight", n.weight))
-    watch += [(layer._modules, "input_layernorm", layer.input_layernorm),
-              (layer._modules, "post_attention_layernorm", layer.post_attention_layernorm)]
-    if attn.qk_norm:
-        watch += [(attn._modules, "q_norm", attn.q_norm), (attn._modules, "k_norm", attn.k_norm)]
-    plan.norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
+    watch += [(owner, name, owner[name]) for owner, name in named_norms]
+    if plan.gemma:  # the op takes Gemma's scales as they multiply: 1 + w
+        plan.norms += [1.0 + n.weight.detach() for n in layer_norms]
+    else:
+        plan.norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
     return True
 
 

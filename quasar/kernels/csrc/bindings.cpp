@@ -49,7 +49,8 @@ TORCH_LIBRARY(quasar_quant, m) {
       "Tensor?[] scales, Tensor?[] biases, Tensor?[] comps, int[] act_bits, Tensor?[] w4, int[] w4_groups, "
       "Tensor?[] routers, Tensor?[] shared_gates, int[] top_k, int[] norm_topk, "
       "__torch__.torch.classes.quasar_quant.ExpertPlan experts, Tensor(c!)? expert_counts, "
-      "int n_heads, int n_kv_heads, bool prefill=False, str path=\"\") -> Tensor");
+      "int n_heads, int n_kv_heads, bool prefill=False, str path=\"\", Tensor? cos_local=None, "
+      "Tensor? sin_local=None, int[] local_layers=[], int window=0, float attn_scale=0., int gelu=0) -> Tensor");
   m.impl("w8a8_decoder_layers", c10::DispatchKey::CPU, TORCH_FN(w8a8_decoder_layers));
 
   // a step's logits

@@ -55,7 +55,9 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                const c10::List<std::optional<at::Tensor>>& shared_gates, at::IntArrayRef top_k,
                                at::IntArrayRef norm_topk, const c10::intrusive_ptr<quasar::ExpertPlan>& experts,
                                const std::optional<at::Tensor>& expert_counts,
-                               int64_t n_heads, int64_t n_kv_heads, bool prefill, const std::string& path);
+                               int64_t n_heads, int64_t n_kv_heads, bool prefill, const std::string& path,
+                               const std::optional<at::Tensor>& cos_local, const std::optional<at::Tensor>& sin_local,
+                               at::IntArrayRef local_layers, int64_t window, double attn_scale, int64_t gelu);
 bool w8a8_bf16_supported(const std::string& path);
 // decoder_layer/sparse_mlp.cpp: a model's experts, checked once for the fused step
 c10::intrusive_ptr<quasar::ExpertPlan> w8a8_expert_plan(

@@ -17,6 +17,9 @@
 //   h = rmsnorm(x) * w_post; x += W_down(silu(W_gate(h)) * W_up(h)), or in a mixture-of-
 //   experts layer x += its sparse MLP of h (sparse_mlp.h: router, each expert the rows
 //   reach once over them, an optional shared expert).
+// Gemma 3's block (BlockArgs): six norms a layer, the attention's and the MLP's outputs
+// normed before each residual add; a GELU-tanh GeGLU; its own attention scale; the sliding
+// layers' RoPE table and window (window_rows).
 // The cache is float32, or bfloat16: with AVX512-BF16 attend_group_bf16 takes bf16
 // products, float32 softmax and sums (ARCHITECTURE.md, "The KV cache in bfloat16"); below
 // the AVX512 paths the 8-float kernels widen the stored bf16 to float32.
@@ -138,7 +141,7 @@ void check_step_args(const at::Tensor& x, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
               "w8a8_decoder_layers: n_heads must be a multiple of n_kv_heads");
   const int64_t L = k_cache.size(0);
-  TORCH_CHECK(n_norms == 4 * L, "w8a8_decoder_layers: 4 norms per cache layer");
+  TORCH_CHECK(n_norms == 4 * L || n_norms == 6 * L, "w8a8_decoder_layers: 4 (Gemma 3: 6) norms per cache layer");
   TORCH_CHECK(n_sparse_args == L, "w8a8_decoder_layers: a router, shared gate, top_k and norm_topk per cache layer");
   TORCH_CHECK(static_cast<int64_t>(parents.size()) == T && static_cast<int64_t>(slots.size()) == T &&
                   static_cast<int64_t>(starts.size()) == T && parents[0] == -1,
@@ -196,6 +199,32 @@ StepRows plan_rows(at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRe
   return r;
 }
 
+// The rows of a sliding-window layer: a row with more than `window` keys attends to its last
+// `window` only, listed as its tail (split 0), so the kernels walk them as logical keys
+// 0..window-1 like any path: the same arithmetic in every step that holds the row.
+// Rows within the window keep their keys (and point into `rows`, which must outlive this).
+std::optional<StepRows> window_rows(const StepRows& rows, int64_t window) {
+  if (window <= 0 || rows.max_keys <= window) return std::nullopt;
+  const int64_t T = static_cast<int64_t>(rows.n_keys.size());
+  std::optional<StepRows> w(std::in_place, rows);
+  w->tail_rows.assign(T * window, 0);
+  w->max_keys = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = rows.n_keys[t];
+    if (n > window) {
+      int64_t* list = w->tail_rows.data() + t * window;
+      for (int64_t j = 0; j < window; ++j) {
+        const int64_t key = n - window + j;
+        list[j] = key < rows.split[t] ? key : rows.tails[t][key - rows.split[t]];
+      }
+      w->n_keys[t] = window, w->split[t] = 0, w->tails[t] = list;
+      w->is_chain = false;
+    }
+    w->max_keys = std::max(w->max_keys, w->n_keys[t]);
+  }
+  return w;
+}
+
 // The attention kernels of a step: one of attend (float32 cache), attend_b16 (a bfloat16
 // cache widened to float32, below the AVX512 paths) or attend_bf16 (AVX512-BF16), and on an
 // AMX-BF16 CPU the tile kernels: attend_amx for every step over a bf16 cache, attend_prefill
@@ -245,11 +274,33 @@ struct Item {
   int64_t first, slot, kv, q0, q1, block;
 };
 
-// A layer's norm weights (q_norm and k_norm null without qk-norm) and MLP width.
+// A layer's norm weights (q_norm and k_norm null without qk-norm; the output norms null
+// outside Gemma 3), its RoPE table (the sliding layers' second one) and MLP width.
 struct LayerPlan {
-  const float *w_in, *w_post, *w_qn, *w_kn;
+  const float *w_in, *w_post, *w_qn, *w_kn, *w_attn_out, *w_mlp_out;
+  bool local_rope;
   int64_t inter;
 };
+
+// The op's Gemma 3 arguments (w8a8_decoder_layers); all empty or zero for the Llama block.
+struct BlockArgs {
+  const std::optional<at::Tensor>& cos_local;
+  const std::optional<at::Tensor>& sin_local;
+  at::IntArrayRef local_layers;
+  double attn_scale;
+  int64_t gelu;
+};
+
+// act = gelu_tanh(gate) * up per row of gu (gate then up, inter each), a plain loop on
+// every kernel path.
+void gelu_tanh_mul(const float* gu, int64_t rows, int64_t inter, float* act) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * inter;
+    for (int64_t i = 0; i < inter; ++i)
+      act[r * inter + i] = 0.5f * g[i] * (1.0f + std::tanh(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * g[inter + i];
+  }
+}
 
 // This thread's rows of the step's row phases, [r0, r1).
 struct ThreadRows {
@@ -282,31 +333,36 @@ class DecoderStep {
  public:
   DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
               at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents,
-              double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill, KernelPath path);
+              double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill, int64_t window, KernelPath path);
   // Per layer: its norms and its linears (step_linears.h), a sparse layer's router and
   // experts too, all checked here, before the parallel region (nothing in it may throw);
   // then the buffers they write.
-  void plan_layers(const TensorList& norms, const quasar::LinearLists& lists, const SparseArgs& moe);
+  void plan_layers(const TensorList& norms, const quasar::LinearLists& lists, const SparseArgs& moe,
+                   const BlockArgs& block);
   at::Tensor run();
 
  private:
   int64_t n_blocks(int64_t n) const { return blocked_ ? (n + kBlockKeys - 1) / kBlockKeys : int64_t{1}; }
   void plan_attention();
+  void plan_block(const BlockArgs& block);
   bool plan_sparse(int64_t l, int64_t sparse_index, const SparseArgs& moe);
   void plan_buffers(int64_t inter_max, const SparseArgs& moe);
   void attention_block(int64_t l, const ThreadRows& tr, AttentionScratch& sc);
   void rope_and_store(int64_t l, const ThreadRows& tr);
   void prefill_operands(int64_t l, const ThreadRows& tr);
-  void attend_item(const Item& it, int64_t layer_at, AttentionScratch& sc);
-  void combine_row_blocks(const ThreadRows& tr);
+  std::vector<Item> plan_items(const StepRows& rows) const;
+  void attend_item(const Item& it, int64_t layer_at, const StepRows& rows, const AttentionKernels& kern,
+                   AttentionScratch& sc);
+  void combine_row_blocks(const ThreadRows& tr, const StepRows& rows);
   void mlp_block(int64_t l, const ThreadRows& tr);
 
   // the step's shape and inputs
   const at::Tensor& x_;
   at::IntArrayRef slots_;
   int64_t T_, H_, L_, n_slots_, S_, D_, n_heads_, n_kv_heads_, nq_, nkv_, nqkv_, group_;
-  const float *cs_, *sn_;
+  const float *cs_, *sn_, *cs_local_ = nullptr, *sn_local_ = nullptr;
   float feps_, scale_;
+  bool gelu_ = false;
   bool bf16_;
   float *k_f32_, *v_f32_;
   uint16_t *k_b16_, *v_b16_;
@@ -320,6 +376,11 @@ class DecoderStep {
   bool blocked_;
   int64_t stride_, most_blocks_, part_size_;
   std::vector<Item> items_;
+  // the sliding-window layers' rows, kernels and items, when some row has more keys than
+  // the window (Gemma 3; window_rows)
+  std::optional<StepRows> local_rows_;
+  std::optional<AttentionKernels> local_kern_;
+  std::vector<Item> local_items_;
   std::vector<float> partials_;
   // Attention items are taken dynamically (their cost varies with each slot's length): one
   // counter per layer, so no reset is needed between layers.
@@ -348,7 +409,8 @@ class DecoderStep {
 
 DecoderStep::DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, at::IntArrayRef slots, at::IntArrayRef starts, at::IntArrayRef parents,
-                         double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill, KernelPath path)
+                         double eps, int64_t n_heads, int64_t n_kv_heads, bool prefill, int64_t window,
+                         KernelPath path)
     : x_(x),
       slots_(slots),
       T_(x.size(1)),
@@ -371,6 +433,11 @@ DecoderStep::DecoderStep(const at::Tensor& x, const at::Tensor& cos, const at::T
       rows_(plan_rows(slots, starts, parents, n_slots_, S_)),
       kern_(attention_kernels(fk_, bf16_, D_, rows_, prefill, path)) {
   stride_ = (rows_.max_keys + 31) / 32 * 32;  // of the score rows (32-key tiles in prefill)
+  local_rows_ = window_rows(rows_, window);
+  if (local_rows_) {  // the prefill tiles take whole prefixes of keys: not a window's
+    if (kern_.prefill_tiles) kern_ = attention_kernels(fk_, bf16_, D_, rows_, false, path);
+    local_kern_ = attention_kernels(fk_, bf16_, D_, *local_rows_, false, path);
+  }
   cs_ = float_data(cos, T_ * D_, "cos");
   sn_ = float_data(sin, T_ * D_, "sin");
   k_f32_ = bf16_ ? nullptr : k_cache.data_ptr<float>();
@@ -386,30 +453,41 @@ void DecoderStep::plan_attention() {
   operands_ = aligned_vectors(operands_raw_, kern_.prefill_tiles ? n_kv_heads_ * (kt_rows_ + vt_rows_) : 0);
 #endif
   blocked_ = kern_.attend_bf16 && !kern_.prefill_tiles;
-  std::vector<int64_t> group_blocks;
-  int64_t units = 0;
-  for (const auto& [first, end] : rows_.groups) {
-    group_blocks.push_back(n_blocks(*std::max_element(rows_.n_keys.begin() + first, rows_.n_keys.begin() + end)));
-    units += n_kv_heads_ * group_blocks.back();
-  }
-  const int64_t min_parts = (2 * at::get_num_threads() + units - 1) / units;
-  for (size_t g = 0; g < rows_.groups.size(); ++g) {
-    const auto [first, end] = rows_.groups[g];
-    const int64_t per_kv = group_ * (end - first);
-    const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries, min_parts));
-    for (int64_t kv = 0; kv < n_kv_heads_; ++kv)
-      for (int64_t b = 0; b < group_blocks[g]; ++b)
-        for (int64_t part = 0; part < parts; ++part)
-          items_.push_back({first, slots_[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts, b});
-  }
+  items_ = plan_items(rows_);
+  if (local_rows_) local_items_ = plan_items(*local_rows_);
   most_blocks_ = n_blocks(rows_.max_keys), part_size_ = D_ + 2;
   partials_.resize(most_blocks_ > 1 ? T_ * n_heads_ * most_blocks_ * part_size_ : 0);
   next_item_.reset(new std::atomic<int64_t>[L_]);
   for (int64_t l = 0; l < L_; ++l) next_item_[l] = 0;
 }
 
-void DecoderStep::plan_layers(const TensorList& norms, const quasar::LinearLists& lists, const SparseArgs& moe) {
+// The attention items of a step's rows (see Item).
+std::vector<Item> DecoderStep::plan_items(const StepRows& rows) const {
+  std::vector<Item> items;
+  std::vector<int64_t> group_blocks;
+  int64_t units = 0;
+  for (const auto& [first, end] : rows.groups) {
+    group_blocks.push_back(n_blocks(*std::max_element(rows.n_keys.begin() + first, rows.n_keys.begin() + end)));
+    units += n_kv_heads_ * group_blocks.back();
+  }
+  const int64_t min_parts = (2 * at::get_num_threads() + units - 1) / units;
+  for (size_t g = 0; g < rows.groups.size(); ++g) {
+    const auto [first, end] = rows.groups[g];
+    const int64_t per_kv = group_ * (end - first);
+    const int64_t parts = std::min(per_kv, std::max((per_kv + kMaxGroupQueries - 1) / kMaxGroupQueries, min_parts));
+    for (int64_t kv = 0; kv < n_kv_heads_; ++kv)
+      for (int64_t b = 0; b < group_blocks[g]; ++b)
+        for (int64_t part = 0; part < parts; ++part)
+          items.push_back({first, slots_[first], kv, part * per_kv / parts, (part + 1) * per_kv / parts, b});
+  }
+  return items;
+}
+
+void DecoderStep::plan_layers(const TensorList& norms, const quasar::LinearLists& lists, const SparseArgs& moe,
+                              const BlockArgs& block) {
   TORCH_CHECK(static_cast<int64_t>(lists.weights.size()) == 7 * L_, "w8a8_decoder_layers: 7 linears per layer");
+  const int64_t per = static_cast<int64_t>(norms.size()) / L_;  // 4, or Gemma 3's 6
+  plan_block(block);
   linears_.reserve(L_);  // the GEMMs and the shared experts below point into it
   sparse_.resize(L_);
   int64_t inter_max = 0, n_sparse = 0;
@@ -420,18 +498,36 @@ void DecoderStep::plan_layers(const TensorList& norms, const quasar::LinearLists
     if (sparse_[l].shared_gate) sparse_[l].shared = &linears_.back().mlp;
     const int64_t inter = linears_.back().mlp.inter;
     inter_max = std::max(inter_max, inter);
-    const std::optional<at::Tensor> qn = norms.get(4 * l + 2), kn = norms.get(4 * l + 3);
-    TORCH_CHECK(norms.get(4 * l).has_value() && norms.get(4 * l + 1).has_value(),
+    const auto norm = [&](int64_t i, int64_t n, const char* what) -> const float* {
+      const std::optional<at::Tensor> w = i < per ? norms.get(per * l + i) : std::nullopt;
+      return w.has_value() && w->defined() ? float_data(*w, n, what) : nullptr;
+    };
+    TORCH_CHECK(norm(0, H_, "input_layernorm") && norm(1, H_, "post_attention_layernorm") &&
+                    (per == 4 || (norm(4, H_, "attention output norm") && norm(5, H_, "MLP output norm"))),
                 "w8a8_decoder_layers: missing layer norm");
-    plan_.push_back({float_data(*norms.get(4 * l), H_, "input_layernorm"),
-                     float_data(*norms.get(4 * l + 1), H_, "post_attention_layernorm"),
-                     qn.has_value() && qn->defined() ? float_data(*qn, D_, "q_norm") : nullptr,
-                     kn.has_value() && kn->defined() ? float_data(*kn, D_, "k_norm") : nullptr, inter});
+    const bool local = !block.local_layers.empty() && block.local_layers[l] != 0;
+    TORCH_CHECK(!local || cs_local_, "w8a8_decoder_layers: a sliding layer needs the local RoPE table");
+    plan_.push_back({norm(0, H_, ""), norm(1, H_, ""), norm(2, D_, "q_norm"), norm(3, D_, "k_norm"),
+                     norm(4, H_, ""), norm(5, H_, ""), local, inter});
   }
   TORCH_CHECK(n_sparse == static_cast<int64_t>(moe.experts.layers.size()),
               "w8a8_decoder_layers: the expert plan has ", moe.experts.layers.size(), " sparse layers, the model ",
               n_sparse);
   plan_buffers(inter_max, moe);
+}
+
+// Gemma 3's scale, activation and local RoPE table (block.cos_local [T, D]).
+void DecoderStep::plan_block(const BlockArgs& block) {
+  if (block.attn_scale > 0) scale_ = static_cast<float>(block.attn_scale);
+  gelu_ = block.gelu != 0;
+  TORCH_CHECK(block.local_layers.empty() || static_cast<int64_t>(block.local_layers.size()) == L_,
+              "w8a8_decoder_layers: local_layers needs one flag per layer");
+  if (block.cos_local.has_value() && block.cos_local->defined()) {
+    TORCH_CHECK(block.sin_local.has_value() && block.sin_local->defined(),
+                "w8a8_decoder_layers: cos_local without sin_local");
+    cs_local_ = float_data(*block.cos_local, T_ * D_, "cos_local");
+    sn_local_ = float_data(*block.sin_local, T_ * D_, "sin_local");
+  }
 }
 
 // Layer l's router, shared gate and experts (the expert plan's sparse layer `sparse_index`)
@@ -535,10 +631,14 @@ void DecoderStep::attention_block(int64_t l, const ThreadRows& tr, AttentionScra
     prefill_operands(l, tr);
 #pragma omp barrier
   }
-  const int64_t n_items = static_cast<int64_t>(items_.size());
-  for (int64_t i = next_item_[l]++; i < n_items; i = next_item_[l]++) attend_item(items_[i], layer_at, sc);
+  const bool window = p.local_rope && local_rows_;  // a sliding layer past its window
+  const StepRows& rows = window ? *local_rows_ : rows_;
+  const AttentionKernels& kern = window ? *local_kern_ : kern_;
+  const std::vector<Item>& items = window ? local_items_ : items_;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  for (int64_t i = next_item_[l]++; i < n_items; i = next_item_[l]++) attend_item(items[i], layer_at, rows, kern, sc);
 #pragma omp barrier
-  if (most_blocks_ > 1) combine_row_blocks(tr);
+  if (most_blocks_ > 1) combine_row_blocks(tr, rows);
   lg[1].quantize(attn_.data(), tr.r0, tr.r1);
 #pragma omp barrier
   lg[1].run(tr.tid, tr.nt);
@@ -554,7 +654,8 @@ void DecoderStep::rope_and_store(int64_t l, const ThreadRows& tr) {
     float* row = proj_.data() + t * nqkv_;
     if (p.w_qn) fk_.rms_norm(row, n_heads_, D_, p.w_qn, feps_, row);
     if (p.w_kn) fk_.rms_norm(row + nq_, n_kv_heads_, D_, p.w_kn, feps_, row + nq_);
-    for (int64_t hd = 0; hd < n_heads_ + n_kv_heads_; ++hd) rope(row + hd * D_, cs_ + t * D_, sn_ + t * D_, D_);
+    const float *cs = p.local_rope ? cs_local_ : cs_, *sn = p.local_rope ? sn_local_ : sn_;
+    for (int64_t hd = 0; hd < n_heads_ + n_kv_heads_; ++hd) rope(row + hd * D_, cs + t * D_, sn + t * D_, D_);
     for (int64_t kv = 0; kv < n_kv_heads_; ++kv) {
       const int64_t at_row = layer_at + ((slots_[t] * n_kv_heads_ + kv) * S_ + rows_.cache_row[t]) * D_;
       if (bf16_) {
@@ -585,7 +686,8 @@ void DecoderStep::prefill_operands(int64_t l, const ThreadRows& tr) {
 }
 
 // One attention item: its queries' vectors, outputs and keys, then the kernel of the step.
-void DecoderStep::attend_item(const Item& it, int64_t layer_at, AttentionScratch& sc) {
+void DecoderStep::attend_item(const Item& it, int64_t layer_at, const StepRows& rows, const AttentionKernels& kern,
+                              AttentionScratch& sc) {
   const float* qp[kMaxGroupQueries];
   float *op[kMaxGroupQueries], *pp[kMaxGroupQueries];
   int64_t ns[kMaxGroupQueries], sp[kMaxGroupQueries];
@@ -594,44 +696,44 @@ void DecoderStep::attend_item(const Item& it, int64_t layer_at, AttentionScratch
     const int64_t t = it.first + qi / group_, hd = it.kv * group_ + qi % group_;
     qp[qi - it.q0] = proj_.data() + t * nqkv_ + hd * D_;
     op[qi - it.q0] = attn_.data() + t * nq_ + hd * D_;
-    pp[qi - it.q0] = n_blocks(rows_.n_keys[t]) > 1
+    pp[qi - it.q0] = n_blocks(rows.n_keys[t]) > 1
                          ? partials_.data() + ((t * n_heads_ + hd) * most_blocks_ + it.block) * part_size_
                          : nullptr;
-    ns[qi - it.q0] = rows_.n_keys[t];
-    sp[qi - it.q0] = rows_.split[t];
-    tl[qi - it.q0] = rows_.tails[t];
+    ns[qi - it.q0] = rows.n_keys[t];
+    sp[qi - it.q0] = rows.split[t];
+    tl[qi - it.q0] = rows.tails[t];
   }
   const int64_t head = layer_at + (it.slot * n_kv_heads_ + it.kv) * S_ * D_, nq = it.q1 - it.q0;
   const int64_t lo = it.block * kBlockKeys, hi = (it.block + 1) * kBlockKeys;
   const KeyMap keys{sp, tl};
 #ifdef QUASAR_AMX_ATTENTION
-  if (kern_.attend_prefill) {
+  if (kern.attend_prefill) {
     const __m512i* kt = operands_ + it.kv * (kt_rows_ + vt_rows_);
-    kern_.attend_prefill(qp, ns, op, nq, kt, kt + kt_rows_, scale_, sc.scores.data(), sc.probs.data(), stride_,
+    kern.attend_prefill(qp, ns, op, nq, kt, kt + kt_rows_, scale_, sc.scores.data(), sc.probs.data(), stride_,
                          sc.acc.data());
     return;
   }
-  if (kern_.attend_amx) {
-    kern_.attend_amx(qp, ns, keys, op, pp, nq, lo, hi, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(),
+  if (kern.attend_amx) {
+    kern.attend_amx(qp, ns, keys, op, pp, nq, lo, hi, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(),
                      sc.probs.data(), stride_, sc.acc.data(), sc.amx_ops);
     return;
   }
 #endif
-  if (kern_.attend_b16)
-    kern_.attend_b16(qp, ns, keys, op, nq, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(), stride_,
+  if (kern.attend_b16)
+    kern.attend_b16(qp, ns, keys, op, nq, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(), stride_,
                      sc.acc.data());
   else if (bf16_)
-    kern_.attend_bf16(qp, ns, keys, op, pp, nq, lo, hi, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(),
+    kern.attend_bf16(qp, ns, keys, op, pp, nq, lo, hi, k_b16_ + head, v_b16_ + head, scale_, sc.scores.data(),
                       sc.probs.data(), stride_, sc.acc.data());
   else
-    kern_.attend(qp, ns, keys, op, nq, k_f32_ + head, v_f32_ + head, scale_, sc.scores.data(), stride_,
+    kern.attend(qp, ns, keys, op, nq, k_f32_ + head, v_f32_ + head, scale_, sc.scores.data(), stride_,
                  sc.acc.data());
 }
 
 // This thread's rows: join the blocks of queries that have several.
-void DecoderStep::combine_row_blocks(const ThreadRows& tr) {
+void DecoderStep::combine_row_blocks(const ThreadRows& tr, const StepRows& rows) {
   for (int64_t t = tr.r0; t < tr.r1; ++t) {
-    const int64_t nb = n_blocks(rows_.n_keys[t]);
+    const int64_t nb = n_blocks(rows.n_keys[t]);
     if (nb > 1)
       for (int64_t hd = 0; hd < n_heads_; ++hd)
         quasar::step::combine_blocks(partials_.data() + (t * n_heads_ + hd) * most_blocks_ * part_size_, nb, D_,
@@ -644,8 +746,10 @@ void DecoderStep::combine_row_blocks(const ThreadRows& tr) {
 void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
   const LayerPlan& p = plan_[l];
   const quasar::StepGemm* lg = gemms_.data() + 4 * l;
+  float* out = proj_.data() + tr.r0 * H_;  // this thread's rows of o's (then down's) output
   if (tr.nr) {
-    fk_.add_into(xs_ + tr.r0 * H_, proj_.data() + tr.r0 * H_, tr.nr * H_);
+    if (p.w_attn_out) fk_.rms_norm(out, tr.nr, H_, p.w_attn_out, feps_, out);
+    fk_.add_into(xs_ + tr.r0 * H_, out, tr.nr * H_);
     fk_.rms_norm(xs_ + tr.r0 * H_, tr.nr, H_, p.w_post, feps_, h_.data() + tr.r0 * H_);
   }
   if (sparse_[l].n_experts) {
@@ -656,12 +760,14 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
 #pragma omp barrier
   lg[2].run(tr.tid, tr.nt);
 #pragma omp barrier
-  if (tr.nr) fk_.silu_mul(gu_.data() + tr.r0 * 2 * p.inter, tr.nr, p.inter, act_.data() + tr.r0 * p.inter);
+  if (tr.nr) (gelu_ ? gelu_tanh_mul : fk_.silu_mul)(gu_.data() + tr.r0 * 2 * p.inter, tr.nr, p.inter,
+                                                  act_.data() + tr.r0 * p.inter);
   lg[3].quantize(act_.data(), tr.r0, tr.r1);
 #pragma omp barrier
   lg[3].run(tr.tid, tr.nt);
 #pragma omp barrier
-  if (tr.nr) fk_.add_into(xs_ + tr.r0 * H_, proj_.data() + tr.r0 * H_, tr.nr * H_);
+  if (tr.nr && p.w_mlp_out) fk_.rms_norm(out, tr.nr, H_, p.w_mlp_out, feps_, out);
+  if (tr.nr) fk_.add_into(xs_ + tr.r0 * H_, out, tr.nr * H_);
 }
 
 }  // namespace
@@ -689,6 +795,10 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
 // experts: the sparse layers' experts, in layer order (w8a8_expert_plan; empty without any).
 // expert_counts (None: not wanted) int32 [L, >= experts] gets each sparse layer's rows per
 // expert. path: the kernel path ("" for the process default; cpu_features.h).
+// Gemma 3: norms has 6 a layer (input, MLP input, q, k, attention output, MLP output, each
+// already 1 + w); a layer with local_layers[l] != 0 slides: RoPE from cos_local / sin_local,
+// each row attending to its last `window` keys (window > 0); attn_scale > 0 replaces
+// 1 / sqrt(D); gelu != 0 uses GELU-tanh for SiLU.
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, at::IntArrayRef slots,
                                at::IntArrayRef starts, at::IntArrayRef parents, const TensorList& norms, double eps,
@@ -698,7 +808,9 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                                const TensorList& shared_gates, at::IntArrayRef top_k, at::IntArrayRef norm_topk,
                                const c10::intrusive_ptr<quasar::ExpertPlan>& experts,
                                const std::optional<at::Tensor>& expert_counts, int64_t n_heads, int64_t n_kv_heads,
-                               bool prefill, const std::string& path) {
+                               bool prefill, const std::string& path,
+                               const std::optional<at::Tensor>& cos_local, const std::optional<at::Tensor>& sin_local,
+                               at::IntArrayRef local_layers, int64_t window, double attn_scale, int64_t gelu) {
   const KernelPath kernel_path = op_kernel_path(path, "w8a8_decoder_layers");
   const int64_t n_linears = static_cast<int64_t>(weights.size()), n_layers = static_cast<int64_t>(routers.size());
   TORCH_CHECK(static_cast<int64_t>(tiles.size()) == n_linears && static_cast<int64_t>(scales.size()) == n_linears &&
@@ -713,10 +825,11 @@ at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const
                            static_cast<int64_t>(norm_topk.size()) == n_layers;
   check_step_args(x, k_cache, v_cache, slots, starts, parents, static_cast<int64_t>(norms.size()),
                   same_layers ? n_layers : -1, n_heads, n_kv_heads, kernel_path);
-  DecoderStep step(x, cos, sin, k_cache, v_cache, slots, starts, parents, eps, n_heads, n_kv_heads, prefill,
+  DecoderStep step(x, cos, sin, k_cache, v_cache, slots, starts, parents, eps, n_heads, n_kv_heads, prefill, window,
                    kernel_path);
   step.plan_layers(norms, {weights, tiles, scales, biases, comps, act_bits, w4, w4_groups},
-                   {routers, shared_gates, top_k, norm_topk, *experts, expert_counts});
+                   {routers, shared_gates, top_k, norm_topk, *experts, expert_counts},
+                   {cos_local, sin_local, local_layers, attn_scale, gelu});
   return step.run();
 }
 
