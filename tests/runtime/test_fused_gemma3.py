@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import run_on_kernel_path
+from fused_spies import record_fused_steps
 from quasar.api import LLM
 from quasar.kernels import ext
 from quasar.models.rows import Rows
 from quasar.quant.options import QuantOptions
-from quasar.runtime import fused_step
 from tests.models.test_gemma3 import REPETITIVE, WINDOW, make_tiny_gemma3
 
 pytestmark = pytest.mark.skipif(ext.decoder_layer_op() is None or ext.w4a8_linear_op() is None,
@@ -92,15 +92,7 @@ def test_rows_past_the_window_are_bitwise_their_one_token_steps(llm, verifier):
 
 @pytest.mark.parametrize("verifier", VERIFIERS)
 def test_greedy_speculative_equals_autoregressive_through_the_fused_step(llm, verifier, monkeypatch):
-    calls: list[bool] = []
-    call = fused_step.FusedW8A8Step.__call__
-
-    def spy(self, *args, **kwargs):
-        y = call(self, *args, **kwargs)
-        calls.append(y is not None)
-        return y
-
-    monkeypatch.setattr(fused_step.FusedW8A8Step, "__call__", spy)
+    calls = record_fused_steps(monkeypatch)
     accepted = 0
     for prompt in REPETITIVE:
         ar = llm.generate(prompt, raw=True, max_new_tokens=30, drafter="none", verifier=verifier)

@@ -7,13 +7,13 @@ speculative decoding equals greedy autoregressive decoding; on every kernel path
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_on_kernel_path
+from fused_spies import fused_calls, record_fused_steps
 from quasar.api import LLM
 from quasar.engine.w4a8_verifier import w4a8_verifier
 from quasar.kernels import ext
@@ -22,7 +22,6 @@ from quasar.models.moe import SparseMoE, sparse_blocks
 from quasar.models.rows import Rows
 from quasar.quant.quantize import build_w8a8
 from quasar.quant.w4a8_layouts import SMALL
-from quasar.runtime import fused_step
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
 from tests.family_models import assert_speculative_matches_ar, make_family_model
@@ -51,24 +50,6 @@ def models(tmp_path_factory):
         out[family, "w8a8"] = (loaded.model, build_w8a8(loaded.model, loaded.tokenizer, **CALIB))
         out[family, "w4a8"] = (loaded.model, w4a8_verifier(loaded, cache=False, layout=SMALL))
     return out
-
-
-@contextmanager
-def fused_calls(q):
-    """Record, per verifier step of ``q``, whether the fused step ran (not None)."""
-    kernel, calls = q.step_kernel, []
-
-    def spy(*args, **kwargs):
-        y = kernel(*args, **kwargs)
-        calls.append(y is not None)
-        return y
-
-    spy.max_rows = kernel.max_rows
-    q.step_kernel = spy
-    try:
-        yield calls
-    finally:
-        q.step_kernel = kernel
 
 
 def step_logits(model, k: int, fused: bool) -> tuple[torch.Tensor, list[list[int]]]:
@@ -209,15 +190,7 @@ def test_a_step_runs_the_experts_in_place_now(models):
 @pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_speculative_equals_autoregressive_through_the_fused_step(family, verifier, tmp_path, monkeypatch):
-    calls: list[bool] = []
-    call = fused_step.FusedW8A8Step.__call__
-
-    def spy(self, *args, **kwargs):
-        y = call(self, *args, **kwargs)
-        calls.append(y is not None)
-        return y
-
-    monkeypatch.setattr(fused_step.FusedW8A8Step, "__call__", spy)
+    calls = record_fused_steps(monkeypatch)
     model_dir = make_family_model(tmp_path / family, family, seed=3, **WHOLE_GROUPS.get(family, {}))
     llm = LLM(str(model_dir), drafter="ngram", verifier="fp", max_context=128)
     assert_speculative_matches_ar(llm, verifier)

@@ -4,13 +4,12 @@ the tokens verified with it, and it gets out of the way when it does not apply."
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 from torch import nn
 
 from conftest import make_tiny_model, run_on_kernel_path, swapped
+from fused_spies import fused_calls
 from quasar.models.llama import Transformer
 from quasar.models.rows import Rows
 from quasar.models.loader import load_model
@@ -63,24 +62,6 @@ LONG = 1030
 
 def long_ids(ids: list[int]) -> list[int]:
     return (ids * (LONG // len(ids) + 1))[:LONG]
-
-
-@contextmanager
-def fused_calls(q):
-    """Record, per verifier step of ``q``, whether the fused step ran (not None)."""
-    kernel, calls = q.step_kernel, []
-
-    def spy(*args, **kwargs):
-        y = kernel(*args, **kwargs)
-        calls.append(y is not None)
-        return y
-
-    spy.max_rows = kernel.max_rows  # prefill chunks take the same path as without the spy
-    q.step_kernel = spy
-    try:
-        yield calls
-    finally:
-        q.step_kernel = kernel
 
 
 def batch_rows(q, prompts, trees) -> Rows:
