@@ -99,12 +99,10 @@ class FusedW8A8Step:
         costs = self.model.step_costs
         if costs is not None and costs.prefetch_whole is not None:  # this model's measured way
             ext.prefetch_whole_stream(costs.prefetch_whole)
-        block = {}
-        if p.gemma:
-            if cos.dim() == 3:  # stacked: the global layers' table, then the sliding layers'
-                block = dict(cos_local=cos[1].contiguous(), sin_local=sin[1].contiguous())
-                cos, sin = cos[0].contiguous(), sin[0].contiguous()
-            block.update(local_layers=p.local_layers, window=p.window or 0, attn_scale=p.attn_scale, gelu=1)
+        block = p.block
+        if block and cos.dim() == 3:  # stacked: the global layers' table, then the sliding layers'
+            block = dict(block, cos_local=cos[1], sin_local=sin[1])
+            cos, sin = cos[0], sin[0]
         starts = [rows.starts[s] for s in rows.slots]
         y = self._op(x.contiguous(), cos, sin, cache.k, cache.v, rows.slots, starts, rows.parents, p.norms,
                      cfg.rms_norm_eps, *p.linears.lists(), p.routers, p.shared_gates, p.top_k, p.norm_topk,
@@ -188,12 +186,9 @@ class _Plan:
         # per sparse layer, per expert: (owner dicts, keys, objects) of what to recheck once a
         # step ran the expert (a step reads only the experts it reaches)
         self.expert_watch: list[list[tuple]] = []
-        # Gemma 3's block (quasar.models.gemma3): six norms a layer, each 1 + w; GELU-tanh;
-        # its attention scale; which layers take the sliding layers' RoPE table; their window
-        self.gemma = False
-        self.attn_scale = 0.0
-        self.local_layers: list[int] = []
-        self.window: int | None = None
+        # Gemma 3's block (quasar.models.gemma3), the op's keyword arguments: which layers
+        # slide (their RoPE table and window), the attention scale, GELU-tanh; empty otherwise
+        self.block: dict = {}
 
 
 def _gemma_block(model: nn.Module, plan: _Plan) -> bool:
@@ -206,17 +201,16 @@ def _gemma_block(model: nn.Module, plan: _Plan) -> bool:
     if len(scales) != 1 or None in scales or len(windows) > 1 or \
             any(getattr(layer.mlp, "approximate", None) != "tanh" for layer in layers):
         return False
-    plan.gemma, plan.attn_scale = True, float(scales.pop())
-    plan.local_layers = [int(a.rope_table == 1) for a in attns]
-    plan.window = windows.pop() if windows else None
+    plan.block = dict(local_layers=[int(a.rope_table == 1) for a in attns], window=windows.pop() if windows else 0,
+                      attn_scale=float(scales.pop()), gelu=1)
     return True
 
 
-def _layer_norms(layer: nn.Module) -> list[tuple[dict, str]]:
+def _layer_norms(layer: nn.Module, sandwich: bool) -> list[tuple[dict, str]]:
     """(owner's modules, name) of the norms the op takes, in its order: input, MLP input,
-    (q, k); Gemma 3's also the attention's and the MLP's output norms."""
+    (q, k); Gemma 3's (`sandwich`) also the attention's and the MLP's output norms."""
     attn, own = layer.self_attn, layer._modules
-    if hasattr(layer, "pre_feedforward_layernorm"):
+    if sandwich:
         return [(own, "input_layernorm"), (own, "pre_feedforward_layernorm"), (attn._modules, "q_norm"),
                 (attn._modules, "k_norm"), (own, "post_attention_layernorm"), (own, "post_feedforward_layernorm")]
     qk = [(attn._modules, "q_norm"), (attn._modules, "k_norm")] if attn.qk_norm else []
@@ -233,7 +227,7 @@ def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
     watch += [(attn._modules, name, getattr(attn, name)) for name in _ATTENTION]
     if not _shared_input_agrees([getattr(attn, name) for name in _ATTENTION[:3]]):  # q, k, v
         return False
-    named_norms = _layer_norms(layer)
+    named_norms = _layer_norms(layer, bool(plan.block))
     layer_norms = [owner[name] for owner, name in named_norms]
     if not all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in layer_norms):
         return False
@@ -247,11 +241,14 @@ def _layer_args(layer: nn.Module, plan: _Plan, watch: list) -> bool:
     for n in layer_norms:
         watch.append((n._parameters, "weight", n.weight))
     watch += [(owner, name, owner[name]) for owner, name in named_norms]
-    if plan.gemma:  # the op takes Gemma's scales as they multiply: 1 + w
-        plan.norms += [1.0 + n.weight.detach() for n in layer_norms]
-    else:
-        plan.norms += [n.weight for n in layer_norms] + [None] * (4 - len(layer_norms))
+    plan.norms += [_norm_scale(n) for n in layer_norms] + [None] * (4 - len(layer_norms))
     return True
+
+
+def _norm_scale(norm: nn.Module) -> Tensor:
+    """What the norm multiplies by: its weight, or Gemma's unit_offset + w (a new tensor)."""
+    offset = getattr(norm, "unit_offset", 0.0)
+    return norm.weight.detach() + offset if offset else norm.weight
 
 
 def _mlp_args(block: nn.Module | None, linears: _Linears, watch: list) -> bool:

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from conftest import run_on_kernel_path
-from fused_spies import record_fused_steps
+from fused_checks import assert_as_close_as_the_modules, record_fused_steps, tree_and_paths
 from quasar.api import LLM
 from quasar.kernels import ext
-from quasar.models.rows import Rows
 from quasar.quant.options import QuantOptions
 from tests.models.test_gemma3 import REPETITIVE, WINDOW, make_tiny_gemma3
 
@@ -53,15 +52,12 @@ def test_fused_gemma3_step_runs_and_is_close_to_the_modules(llm, verifier):
     """A 6-token step past the window runs fused, as close to the float model as the modules."""
     q, fp = llm.verifier_model(verifier), llm.verifier_model("fp")
     assert q.step_kernel is not None and q.step_kernel._build(), "the fused step declined Gemma 3"
-    assert q.step_kernel._plan.window == WINDOW and 0 < sum(q.step_kernel._plan.local_layers) < len(q.model.layers)
+    block = q.step_kernel._plan.block
+    assert block["window"] == WINDOW and 0 < sum(block["local_layers"]) < len(q.model.layers)
     fused = _logits(q, IDS[:-6], IDS[-6:], fused=True)
     modules = _logits(q, IDS[:-6], IDS[-6:], fused=False)
     ref = _logits(fp, IDS[:-6], IDS[-6:], fused=False)
-    scale = ref.abs().max()
-    err_fused, err_modules = float((fused - ref).abs().max() / scale), float((modules - ref).abs().max() / scale)
-    assert err_fused <= 1.5 * err_modules + 1e-3, (err_fused, err_modules)
-    assert float((fused - modules).abs().max() / scale) < 0.05
-    assert (fused.argmax(-1) == modules.argmax(-1)).float().mean() >= 0.8
+    assert_as_close_as_the_modules(fused, modules, ref)
 
 
 @pytest.mark.parametrize("verifier", VERIFIERS)
@@ -73,21 +69,9 @@ def test_rows_past_the_window_are_bitwise_their_one_token_steps(llm, verifier):
     q(torch.tensor([IDS[:3]]), logits="none")
     alone = torch.cat([q(torch.tensor([[t]]))[0] for t in IDS[3:15]])
     assert torch.equal(alone, together)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, 16, (12,), generator=gen).tolist()
-    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, 12)]
-    q.setup_cache(CACHE)
-    q(torch.tensor([IDS[:4]]), logits="none")
-    tree = q.step(Rows.build([IDS[4], *tokens], [0] * 13, [-1, *(p + 1 for p in parents)], q.cache.lengths))
-    for node in range(12):
-        path, at = [], node
-        while at >= 0:
-            path.insert(0, tokens[at])
-            at = parents[at]
-        q.setup_cache(CACHE)
-        q(torch.tensor([IDS[:4]]), logits="none")
-        last = torch.cat([q(torch.tensor([[t]]))[0] for t in [IDS[4], *path]])[-1]
-        assert torch.equal(tree[node + 1], last), node
+    tree, alone = tree_and_paths(q, IDS[:4], IDS[4], 12, CACHE, seed=0)
+    for node, logits in enumerate(alone):
+        assert torch.equal(tree[node + 1], logits), node
 
 
 @pytest.mark.parametrize("verifier", VERIFIERS)

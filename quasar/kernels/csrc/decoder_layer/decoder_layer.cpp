@@ -502,13 +502,12 @@ void DecoderStep::plan_layers(const TensorList& norms, const quasar::LinearLists
       const std::optional<at::Tensor> w = i < per ? norms.get(per * l + i) : std::nullopt;
       return w.has_value() && w->defined() ? float_data(*w, n, what) : nullptr;
     };
-    TORCH_CHECK(norm(0, H_, "input_layernorm") && norm(1, H_, "post_attention_layernorm") &&
-                    (per == 4 || (norm(4, H_, "attention output norm") && norm(5, H_, "MLP output norm"))),
-                "w8a8_decoder_layers: missing layer norm");
+    const float *w_in = norm(0, H_, "input norm"), *w_post = norm(1, H_, "MLP input norm");
+    const float *w_attn_out = norm(4, H_, "attention output norm"), *w_mlp_out = norm(5, H_, "MLP output norm");
+    TORCH_CHECK(w_in && w_post && (per == 4 || (w_attn_out && w_mlp_out)), "w8a8_decoder_layers: missing layer norm");
     const bool local = !block.local_layers.empty() && block.local_layers[l] != 0;
     TORCH_CHECK(!local || cs_local_, "w8a8_decoder_layers: a sliding layer needs the local RoPE table");
-    plan_.push_back({norm(0, H_, ""), norm(1, H_, ""), norm(2, D_, "q_norm"), norm(3, D_, "k_norm"),
-                     norm(4, H_, ""), norm(5, H_, ""), local, inter});
+    plan_.push_back({w_in, w_post, norm(2, D_, "q_norm"), norm(3, D_, "k_norm"), w_attn_out, w_mlp_out, local, inter});
   }
   TORCH_CHECK(n_sparse == static_cast<int64_t>(moe.experts.layers.size()),
               "w8a8_decoder_layers: the expert plan has ", moe.experts.layers.size(), " sparse layers, the model ",
