@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_on_kernel_path
-from fused_spies import fused_calls, record_fused_steps
+from fused_checks import assert_as_close_as_the_modules, fused_calls, record_fused_steps, tree_and_paths
 from quasar.api import LLM
 from quasar.engine.w4a8_verifier import w4a8_verifier
 from quasar.kernels import ext
@@ -83,12 +83,7 @@ def test_fused_moe_step_is_used_and_as_close_as_the_modules(models, family, veri
     modules, module_experts = step_logits(q, 6, fused=False)
     assert fused_experts == module_experts and all(fused_experts)
     ref, _ = step_logits(fp, 6, fused=False)
-    scale = ref.abs().max()
-    err_fused = float((fused - ref).abs().max() / scale)
-    err_modules = float((modules - ref).abs().max() / scale)
-    assert err_fused <= 1.5 * err_modules + 1e-3, (err_fused, err_modules)
-    assert float((fused - modules).abs().max() / scale) < 0.05
-    assert (fused.argmax(-1) == modules.argmax(-1)).float().mean() >= 0.8
+    assert_as_close_as_the_modules(fused, modules, ref)
 
 
 @pytest.mark.parametrize("k", [3, 12])
@@ -107,34 +102,12 @@ def test_chain_rows_are_bitwise_one_token_steps(models, family, verifier, k):
     assert torch.equal(alone, together)
 
 
-def tree_and_paths(q, nodes: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One fused step of a random tree of `nodes` drafts under IDS[:8]'s pending token, and
-    each node's logits from one-token steps along its path."""
-    gen = torch.Generator().manual_seed(nodes)
-    tokens = torch.randint(1, 16, (nodes,), generator=gen).tolist()
-    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, nodes)]
-    q.setup_cache(CACHE)
-    q(torch.tensor([IDS[:7]]), logits="none")
-    rows = Rows.build([IDS[7], *tokens], [0] * (nodes + 1), [-1, *(p + 1 for p in parents)], q.cache.lengths)
-    tree = q.step(rows)
-    alone = []
-    for node in range(nodes):
-        path, at = [], node
-        while at >= 0:
-            path.insert(0, tokens[at])
-            at = parents[at]
-        q.setup_cache(CACHE)
-        q(torch.tensor([IDS[:7]]), logits="none")
-        alone.append(torch.cat([q(torch.tensor([[t]]))[0] for t in [IDS[7], *path]])[-1])
-    return tree, alone
-
-
 @pytest.mark.parametrize("verifier", VERIFIERS)
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_tree_rows_are_bitwise_their_paths_alone(models, family, verifier):
     _, q = models[family, verifier]
     with fused_calls(q) as calls:
-        tree, alone = tree_and_paths(q, 20)
+        tree, alone = tree_and_paths(q, IDS[:7], IDS[7], 20, CACHE, seed=20)
     assert calls and all(calls)
     for node, logits in enumerate(alone):
         assert torch.equal(tree[node + 1], logits), node
