@@ -61,11 +61,38 @@ def gguf_tensors(model_dir: Path, cfg: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """`w` (rows of whole 256-weight superblocks) as Q4_K blocks of 144 bytes: float16 d and
+    dmin, 6-bit scale and min codes of each 32 packed into 12 bytes, nibbles (the `gguf`
+    package has no Q4_K quantizer). A plain min-max fit, not llama.cpp's search: the reader
+    only needs valid blocks, whose dequantized values are what a test compares."""
+    sub = w.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)  # w = d * sc * q - dmin * mn, mn >= 0
+    scale = (sub.max(axis=2) - lo) / 15
+    d = (scale.max(axis=1) / 63).astype(np.float16)
+    dmin = (-lo.min(axis=1) / 63).astype(np.float16)
+    df, mf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-lo, mf, out=np.zeros_like(lo), where=mf > 0)), 0, 63).astype(np.uint8)
+    step, low = df * sc, mf * mn
+    q = np.clip(np.round(np.divide(sub + low[..., None], step[..., None], out=np.zeros_like(sub),
+                                   where=step[..., None] > 0)), 0, 15).astype(np.uint8)
+    packed = np.zeros((sub.shape[0], 12), dtype=np.uint8)  # gguf.quants.Q4_K.get_scale_min, inverted
+    packed[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
+    packed[:, 4:8] = mn[:, :4] | (mn[:, 4:] >> 4) << 6
+    packed[:, 8:12] = (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4
+    pairs = q.reshape(-1, 4, 2, 32)  # a 64-weight chunk: sub-block 2c in low nibbles, 2c + 1 in high
+    nibbles = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(-1, 128)
+    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, nibbles], axis=1)
+    return blocks.reshape(*w.shape[:-1], w.shape[-1] // 256 * 144)
+
+
 def _quantized(name: str, w: np.ndarray, qtype) -> tuple[np.ndarray, GGMLQuantizationType]:
     """`w` in `qtype` where llama.cpp would quantize it (a matrix of whole blocks; not a router or norm)."""
-    if qtype is None or w.ndim < 2 or "ffn_gate_inp" in name or w.shape[-1] % 32:
+    block = 256 if qtype == GGMLQuantizationType.Q4_K else 32
+    if qtype is None or w.ndim < 2 or "ffn_gate_inp" in name or w.shape[-1] % block:
         return w, GGMLQuantizationType.F32
-    return quantize(w, qtype), qtype
+    return (quantize_q4_k(w) if qtype == GGMLQuantizationType.Q4_K else quantize(w, qtype)), qtype
 
 
 def _rope_keys(w: GGUFWriter, cfg: dict, tensors: dict) -> None:

@@ -4,8 +4,9 @@ tensor the file keeps wider at no less than its own precision.
 A model that comes as a 4-bit GGUF is, dequantized, the float model Quasar decodes and
 measures against. Its Q4_0 / Q4_1 / Q4_K tensors are already affine int4 groups of 32
 (quasar.models.gguf_groups), so they become ``W4A8Linear`` layers holding those weights:
-rounding them again would lose twice. (Exactly for Q4_0 and Q4_1; Q4_K's two-level scales,
-a float16 times a 6-bit integer, are rounded once to the float16 the kernels stream.)
+rounding them again would lose twice. Q4_0 and Q4_1 carry float16 parameters, which the
+kernels stream as they are; Q4_K's are two-level (a float16 times a 6-bit code), which the
+kernels' Q4_K form streams as stored (fewer bytes than float16 products, and exact).
 
 What happens to the rest is the layout (quasar.quant.w4a8_layouts). ``faithful``, the
 default: the layer tensors the file keeps wider (a Q4_K_M file's Q6_K half of the value and
@@ -68,9 +69,9 @@ from quasar.runtime.w4a8_numerics import fit_weight_w4_affine
 # changes, so old cache entries are not taken for the new verifier.
 RECIPES = {
     FAITHFUL: "gguf-int4-groups, wider layer tensors int8 with 15-bit activations, int8 head (15-bit) with its "
-              "top-k exact in float64, float16 group params, v5",
-    SMALL: "gguf-int4-groups, wider layer tensors fitted to int4 groups, 4-bit head refined by int8, float16 group "
-           "params, v4",
+              "top-k exact in float64, Q4_K's own params else float16 group params, v6",
+    SMALL: "gguf-int4-groups, wider layer tensors fitted to int4 groups, 4-bit head refined by int8, Q4_K's own "
+           "params else float16 group params, v5",
 }
 HEAD_TOP_K = DEFAULT_TOP_K
 WIDE_ACT_BITS = 15  # activations of the faithful layout's int8 layers (per token: 15 bits for 8-bit blocks)
@@ -235,7 +236,9 @@ def _layer_linear(linear: nn.Linear, groups: Callable[[], tuple] | None, faithfu
     """A decoder linear of the W4A8 model: the file's own 4-bit groups where it has them; a
     tensor the file keeps wider stays int8 (faithful) or is fitted to 4-bit groups (small)."""
     if groups is not None:
-        q, scale, offset = groups()
+        q, scale, offset, q4k = groups()
+        if q4k is not None:  # a Q4_K matrix streams its own two-level parameters
+            return W4A8Linear.from_q4k(q, *q4k, linear.bias)
     elif faithful:
         return Int8Linear.from_float(linear, act_bits=WIDE_ACT_BITS)
     else:

@@ -343,6 +343,16 @@ def pack_w4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group:
     return torch.ops.quasar_quant.w4_pack(q, scales, offsets, group)
 
 
+def pack_w4_q4k(q: torch.Tensor, scale_codes: torch.Tensor, offset_codes: torch.Tensor, super_scales: torch.Tensor,
+                super_offsets: torch.Tensor) -> torch.Tensor | None:
+    """4-bit weights with a Q4_K file's own parameters (q [N, K] in [0, 15], K a multiple of
+    256; uint8 codes c and o [N, K / 32]; float16 d and m [N, K / 256]; scale = d * c, offset =
+    m * o) in the op's Q4_K form (w4a8_numerics.Q4K_FORM), or None without the library."""
+    if int8_linear_op() is None:
+        return None
+    return torch.ops.quasar_quant.w4_pack_q4k(q, scale_codes, offset_codes, super_scales, super_offsets)
+
+
 def w4a8_linear_op() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.quasar_quant.w4a8_linear`` (x float [..., K], packed (:func:`pack_w4`), N, K,
     group, bias [N] or None) -> float32 [..., N], bitwise ``w4a8_numerics.reference_linear_w4a8``
@@ -605,4 +615,23 @@ def _w4_mismatch(path: str) -> str:
                 got = torch.ops.quasar_quant.w4a8_linear(x, packed, n, k, group, b, path)
                 if not torch.equal(got, reference_linear_w4a8(x, q, scales, offsets, b, group)):
                     return f"N={n}, K={k}, group={group}, M={m}, bias={b is not None}"
+    return _w4_q4k_mismatch(path, gen)
+
+
+def _w4_q4k_mismatch(path: str, gen: torch.Generator) -> str:
+    """The same for the Q4_K form (superblock codes, the largest code values included)."""
+    from quasar.runtime.w4a8_numerics import Q4K_FORM, q4k_group_params, reference_linear_w4a8
+
+    n, k = 19, 512
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    codes = [torch.randint(0, 256, (n, k // 32), generator=gen, dtype=torch.uint8) for _ in range(2)]
+    codes[0][0] = 255
+    supers = [(torch.randn(n, k // 256, generator=gen) / 100).half() for _ in range(2)]
+    packed = torch.ops.quasar_quant.w4_pack_q4k(q, *codes, *supers)
+    scales, offsets = q4k_group_params(*codes, *supers)
+    for m in (1, 5):
+        x = torch.randn(m, k, generator=gen)
+        got = torch.ops.quasar_quant.w4a8_linear(x, packed, n, k, Q4K_FORM, None, path)
+        if not torch.equal(got, reference_linear_w4a8(x, q, scales, offsets, None, 32)):
+            return f"Q4_K form, N={n}, K={k}, M={m}"
     return ""

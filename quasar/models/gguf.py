@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QuantType
 from gguf import GGUFReader, dequantize
 from safetensors.torch import save_file
 
@@ -38,7 +39,7 @@ from quasar.cache.keys import file_key
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.models.config import MODEL_TYPES, ModelConfig
-from quasar.models.gguf_groups import int4_groups, is_int4_type
+from quasar.models.gguf_groups import int4_groups, is_int4_type, q4k_codes
 from quasar.models.hf_files import check_manifest
 from quasar.models.layouts import split_tensor
 from quasar.paths import cache_dir
@@ -394,13 +395,15 @@ def _convert(reader, path: Path, out: Path) -> None:
 
 def int4_group_readers(path: Path, cfg: ModelConfig) -> dict[str, Callable[[], tuple]]:
     """{Llama-layout weight name: a function giving (q uint8 [out, in], scale, offset float32
-    [out, in / 32]) torch tensors} for every 4-bit matrix of GGUF file `path` (quasar.models.
+    [out, in / 32], q4k) torch tensors, q4k a Q4_K matrix's stored parameters (c, o, d, m:
+    gguf_groups.q4k_codes) or None} for every 4-bit matrix of GGUF file `path` (quasar.models.
     gguf_groups), each in the rows of the float model the conversion gives (`cfg` its
     ModelConfig): llama.cpp's Q/K permutation undone, a stack of experts one matrix per expert,
     Phi-3's fused q/k/v and gate/up split by rows as the loader splits them (quasar.models.
     layouts). Where the loader also scales rows (LongRoPE's attention factor on Phi-3's q and
     k), the groups' scales and offsets carry the factor, which the W4A8 layer's float16 group
-    parameters then round: close to the float weight, not bit for bit. Each is unpacked only
+    parameters (a Q4_K matrix's superblock factors) then round: close to the float weight, not
+    bit for bit. Each is unpacked only
     when asked for, so a build holds one at a time."""
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
@@ -435,14 +438,20 @@ def _read_groups(t, cfg: ModelConfig, expert: int | None, take: torch.Tensor | N
                  gain: torch.Tensor | None) -> tuple:
     data = t.data if expert is None else t.data[expert]
     shape = tuple(int(d) for d in reversed(t.shape))[-2:]
-    q, scale, offset = int4_groups(data, t.tensor_type, shape)
+    arrays = list(int4_groups(data, t.tensor_type, shape))
+    q4k = t.tensor_type == QuantType.Q4_K  # its own two-level parameters too
+    if q4k:
+        arrays += q4k_codes(data, shape)
     role = t.name.split(".")[2:3]
     if cfg.model_type in PERMUTED_QK and role in (["attn_q"], ["attn_k"]):
         heads = cfg.num_heads if role == ["attn_q"] else cfg.num_kv_heads
-        q, scale, offset = (_unpermute(a, heads) for a in (q, scale, offset))
-    q, scale, offset = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, offset))
+        arrays = [_unpermute(a, heads) for a in arrays]
+    arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     if take is not None:
-        q, scale, offset = q[take], scale[take], offset[take]
-    if gain is not None:
+        arrays = [a[take] for a in arrays]
+    q, scale, offset, *codes = (a.contiguous() for a in arrays)
+    if gain is not None:  # in the Q4_K form the superblock factors carry it, rounded to float16
         scale, offset = scale * gain, offset * gain
-    return q.contiguous(), scale.contiguous(), offset.contiguous()
+        if q4k:
+            codes[2:] = [(f.float() * gain).half() for f in codes[2:]]
+    return q, scale, offset, (tuple(codes) if q4k else None)

@@ -75,6 +75,19 @@ def int4_groups(data: np.ndarray, tensor_type, shape: tuple[int, int]):
     return None
 
 
+def q4k_codes(data: np.ndarray, shape: tuple[int, int]):
+    """A Q4_K matrix's two-level parameters as they are stored, for the W4A8 Q4_K form:
+    (scale codes c, offset codes o uint8 [rows, cols / 32]; d, m float16 [rows, cols / 256])
+    with ``int4_groups``' scale = d * c and offset = m * o exactly (m is the file's -dmin: a
+    float16 negation is exact)."""
+    rows, cols = shape
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows * cols // 256, 144)
+    d = b[:, 0:2].copy().view(np.float16).reshape(rows, cols // 256)
+    m = -b[:, 2:4].copy().view(np.float16).reshape(rows, cols // 256)
+    sc, mn = Q4_K.get_scale_min(b[:, 4:16])
+    return (sc.astype(np.uint8).reshape(rows, cols // 32), mn.astype(np.uint8).reshape(rows, cols // 32), d, m)
+
+
 def _nibbles(qs: np.ndarray, rows: int, cols: int, span: int) -> np.ndarray:
     """Unpack nibble bytes [rows, chunks, span / 2]: within each chunk of `span` weights the
     low nibbles are the first half, the high nibbles the second (Q4_0/Q4_1: a 32-weight

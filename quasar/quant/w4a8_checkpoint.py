@@ -6,7 +6,9 @@ loader's strict state-dict load checks every tensor:
 
 - a 4-bit layer (``W4A8Linear``): ``NAME.qweight`` uint8 [out, in / 2] (two weights a byte,
   w4a8_numerics.pack_int4), ``NAME.scales`` and ``NAME.offsets`` float16 [out, in / group]
-  (w = scale * q + offset), ``NAME.bias`` where the layer has one;
+  (w = scale * q + offset), ``NAME.bias`` where the layer has one; in the Q4_K form (version 2)
+  ``NAME.scales`` and ``NAME.offsets`` are uint8 codes and ``NAME.super_scales`` and
+  ``NAME.super_offsets`` float16 [out, in / 256] (scale = super_scale * code);
 - an 8-bit layer (``Int8Linear``: a float model's output head; in older checkpoints of the
   same format version, also a Q4_K_M file's Q6_K tensors and the GGUF's head): ``NAME.weight``
   int8 [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's;
@@ -45,7 +47,8 @@ from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w4a8_numerics import GROUP_SIZES, SCALE_DTYPE
 
 QUANT_METHOD = "quasar-w4a8"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a layer may be in the Q4_K form
+READ_VERSIONS = (1, 2)
 REFINED_HEAD = "w4a8-refined-int8"  # quantization_config's lm_head for a RefinedHead
 EXACT_HEAD = "int8-exact-top"  # ... and for an ExactTopHead
 
@@ -108,9 +111,9 @@ def save_w4a8_checkpoint(model: Transformer, out: str | Path, tokenizer_dir: str
 def _check_config(qc: dict) -> tuple[int, int, int]:
     version, group, down = qc.get("version"), qc.get("group_size"), qc.get("down_act_bits", 8)
     other = qc.get("int8_act_bits", 8)
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise QuasarError(f"W4A8 checkpoint format version {version!r} is not supported (this Quasar reads "
-                          f"{FORMAT_VERSION}); quantize the model again")
+                          f"{', '.join(map(str, READ_VERSIONS))}); quantize the model again")
     if group not in GROUP_SIZES:
         raise QuasarError(f"W4A8 checkpoint: group_size {group!r} is not one of {', '.join(map(str, GROUP_SIZES))}")
     if down not in ACT_BITS:
@@ -165,9 +168,12 @@ def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) 
             new = _exact_head(model, module, quant_config, tensors)
         elif f"{name}.qweight" in tensors:
             _expect(tensors, f"{name}.qweight", torch.uint8)
+            q4k = f"{name}.super_scales" in tensors
             for part in ("scales", "offsets"):
+                _expect(tensors, f"{name}.{part}", torch.uint8 if q4k else SCALE_DTYPE)
+            for part in ("super_scales", "super_offsets") if q4k else ():
                 _expect(tensors, f"{name}.{part}", SCALE_DTYPE)
-            new = W4A8Linear(module.in_features, module.out_features, group, bias, device="meta")
+            new = W4A8Linear(module.in_features, module.out_features, group, bias, device="meta", q4k=q4k)
         elif f"{name}.weight_scale" in tensors:
             _expect(tensors, f"{name}.weight", torch.int8)
             new = Int8Linear(module.in_features, module.out_features, bias=bias, device="meta",

@@ -159,7 +159,7 @@ class _Linears:
         self.act_bits: list[int] = []
         self.biases: list = []
         self.w4: list = []  # W4A8Linear: the weight in the op's layout (ext.pack_w4); Int8Linear: None
-        self.w4_groups: list[int] = []  # W4A8Linear: its group size; Int8Linear: 0
+        self.w4_groups: list[int] = []  # W4A8Linear: its form (group size, or Q4K_FORM); Int8Linear: 0
 
     def lists(self) -> tuple:
         """In the op's order."""
@@ -276,7 +276,7 @@ def _experts_args(mlp: SparseMoE, plan: _Plan) -> bool:
 def _shared_input_agrees(linears: list) -> bool:
     """Linears sharing an input agree on its quantization (one form per kind)."""
     return len({m.act_bits for m in linears if isinstance(m, Int8Linear)}) <= 1 and \
-        len({m.group for m in linears if isinstance(m, W4A8Linear)}) <= 1
+        len({m.form for m in linears if isinstance(m, W4A8Linear)}) <= 1
 
 
 def _linear_args(m: nn.Module | None, plan: _Linears, watch: list) -> bool:
@@ -374,9 +374,9 @@ def _w4a8_args(m: W4A8Linear, plan: _Linears, watch: list) -> bool:
     plan.act_bits.append(8)  # unused: the 4-bit kernels quantize per row and group
     plan.biases.append(b)
     plan.w4.append(packing[1])
-    plan.w4_groups.append(m.group)
+    plan.w4_groups.append(m.form)
     watch += [(m._buffers, name, m._buffers[name]) for name in ("qweight", "scales", "offsets", "bias")]
-    watch += [(m.__dict__, "_kernel_packing", packing), (m.__dict__, "group", m.group)]
+    watch += [(m.__dict__, "_kernel_packing", packing), (m.__dict__, "group", m.group), (m.__dict__, "q4k", m.q4k)]
     return True
 
 

@@ -96,7 +96,7 @@ VNNI_PASS_ROWS = 6
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s quantized weights, what a step of a dense model streams: every
     Int8Linear's in x out, every W4A8Linear's in x out / 2 and its groups' scales and offsets
-    (float16). A mixture-of-experts step reads fewer: see step_bytes."""
+    (float16, or the Q4_K form's codes and superblock factors). A mixture-of-experts step reads fewer: see step_bytes."""
     total = 0
     for m in model.modules():
         if not getattr(m, "streamed", True):  # read a few rows a step (a RefinedHead's int8 head)
@@ -104,7 +104,7 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(m, Int8Linear):
             total += m.in_features * m.out_features
         elif isinstance(m, W4A8Linear):
-            total += w4_weight_bytes(m.out_features, m.in_features, m.group)
+            total += w4_weight_bytes(m.out_features, m.in_features, m.group, q4k=m.q4k)
     return total
 
 

@@ -126,6 +126,58 @@ def test_extremes(w4_path, group: int) -> None:
         assert torch.equal(w4_path(x, packed, n, k, group, b), reference_linear_w4a8(x, q, scales, offsets, b, group))
 
 
+def _q4k_weights(gen: torch.Generator, n: int, k: int):
+    """q, the codes c and o (all 8 bits, beyond Q4_K's 6), float16 d and m (m of either sign)."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    codes = [torch.randint(0, 256, (n, k // 32), generator=gen, dtype=torch.uint8) for _ in range(2)]
+    supers = [(torch.randn(n, k // 256, generator=gen) / 300).half() for _ in range(2)]
+    return q, *codes, *supers
+
+
+@pytest.mark.parametrize("k", [256, 1536])
+def test_q4k_form_bitwise_equal_to_reference(w4_path, k: int) -> None:
+    """The Q4_K form (a Q4_K file's own d * c and m * o) gives the reference's bits for those
+    exact float32 parameters, for every row count and with a padded last vector; its packing
+    streams 4.625 bits a weight."""
+    from quasar.kernels import ext
+    from quasar.runtime.w4a8_numerics import Q4K_FORM, q4k_group_params
+
+    gen = torch.Generator().manual_seed(k)
+    n = 37
+    q, c, o, d, m = _q4k_weights(gen, n, k)
+    c[0, 0], o[1, :] = 255, 0  # the largest code; a row of zero offsets
+    packed = ext.pack_w4_q4k(q, c, o, d, m)
+    assert packed.numel() == 3 * 16 * k * 4.625 / 8  # 3 vectors of 16 lanes
+    scales, offsets = q4k_group_params(c, o, d, m)
+    assert torch.equal(scales, d.float().repeat_interleave(8, 1) * c.float())
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(17, k, generator=gen) * torch.logspace(-3, 3, 17)[:, None]
+    for b in (bias, None):
+        want = reference_linear_w4a8(x, q, scales, offsets, b, 32)
+        for rows in (1, 3, 16, 17):
+            assert torch.equal(w4_path(x[:rows], packed, n, k, Q4K_FORM, b), want[:rows]), (rows, b is not None)
+
+
+def test_q4k_form_errors_name_the_problem(w4_op) -> None:
+    from quasar.kernels import ext
+    from quasar.runtime.w4a8_numerics import Q4K_FORM
+
+    gen = torch.Generator().manual_seed(1)
+    q, c, o, d, m = _q4k_weights(gen, 16, 256)
+    with pytest.raises(RuntimeError, match=r"multiple of the Q4_K superblock \(256\)"):
+        ext.pack_w4_q4k(q[:, :128], c[:, :4], o[:, :4], d, m)
+    with pytest.raises(RuntimeError, match="scale codes must be a uint8 CPU tensor, got Half"):
+        ext.pack_w4_q4k(q, c.half(), o, d, m)
+    with pytest.raises(RuntimeError, match=r"superblock offsets must be \[N, K / 256\] = \[16, 1\]"):
+        ext.pack_w4_q4k(q, c, o, d, m[:8])
+    with pytest.raises(RuntimeError, match="found one outside"):
+        ext.pack_w4_q4k(q + 16, c, o, d, m)
+    with pytest.raises(RuntimeError, match="the Q4_K form is packed by w4_pack_q4k"):
+        ext.pack_w4(q, c.half(), o.half(), Q4K_FORM)
+    with pytest.raises(RuntimeError, match=r"group size must be 32, 64 or 128 \(or the Q4_K form, 288\), got 33"):
+        w4_op(torch.randn(1, 256), ext.pack_w4_q4k(q, c, o, d, m), 16, 256, 33, None)
+
+
 def test_leading_dims_and_uint8_q(w4_op) -> None:
     gen = torch.Generator().manual_seed(5)
     q, scales, offsets = _weights(gen, 24, 64, 32)
@@ -169,7 +221,7 @@ def test_packed_layout() -> None:
 def test_errors_name_the_problem(w4_op) -> None:
     gen = torch.Generator().manual_seed(3)
     q, scales, offsets = _weights(gen, 20, 128, 32)
-    with pytest.raises(RuntimeError, match="group size must be 32, 64 or 128, got 48"):
+    with pytest.raises(RuntimeError, match=r"group size must be 32, 64 or 128 \(or the Q4_K form, 288\), got 48"):
         _pack(q, scales, offsets, 48)
     with pytest.raises(RuntimeError, match=r"K \(96\) must be a positive multiple of the group size \(64\)"):
         _pack(q[:, :96], scales[:, :1], offsets[:, :1], 64)
@@ -198,7 +250,7 @@ def test_errors_name_the_problem(w4_op) -> None:
         w4_op(x, packed[:-1], 20, 128, 32, None)
     with pytest.raises(RuntimeError, match="bias must have N = 20 elements, got 19"):
         w4_op(x, packed, 20, 128, 32, torch.zeros(19))
-    with pytest.raises(RuntimeError, match="group size must be 32, 64 or 128, got 16"):
+    with pytest.raises(RuntimeError, match=r"group size must be 32, 64 or 128 \(or the Q4_K form, 288\), got 16"):
         w4_op(x, packed, 20, 128, 16, None)
 
 

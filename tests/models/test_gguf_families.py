@@ -25,6 +25,8 @@ from quasar.models.moe import Router, SparseMoE
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
 from tests.family_models import assert_speculative_matches_ar, make_family_model
+from fused_checks import record_fused_steps
+from quasar.kernels import ext
 from tests.gguf_writer import write_family_gguf
 from tests.models.test_models import TOL, _reference_logits
 from tests.models.test_phi3 import LONGROPE
@@ -133,6 +135,42 @@ def test_w4a8_takes_the_files_groups(files, family):
         for e in range(int(stack.shape[-1])):  # the file's own expert, not the conversion's
             want = torch.from_numpy(dequantize(stack.data[e], stack.tensor_type).astype(np.float32))
             assert torch.equal(four[f"layers.1.mlp.experts.{e}.up_proj"].dequantized_weight(), want.reshape(-1, 64))
+
+
+Q4K_SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=16, num_key_value_heads=8)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "phi3"])
+def test_a_q4_k_file_streams_its_own_two_level_parameters(tmp_path, monkeypatch, family):
+    """A Q4_K file at widths of whole superblocks: every matrix becomes a W4A8 layer in the Q4_K
+    form (the file's codes and float16 factors, 4.625 bits a weight), Mixtral's permuted Q/K
+    included, whose weights are the file's bit for bit; Phi-3's LongRoPE factor rounds into
+    the factors of q and k. The cache's checkpoint holds the same tensors. Through the fused
+    step, greedy drafting equals greedy decoding."""
+    overrides = dict(FAMILIES[family], **Q4K_SHAPES)
+    if family == "mixtral":
+        overrides["num_local_experts"] = 2
+    model_dir = make_family_model(tmp_path / family, family, seed=5, **overrides)
+    path = write_family_gguf(model_dir, tmp_path / f"{family}-Q4_K.gguf", GGMLQuantizationType.Q4_K)
+    loaded = load_model(str(path))
+    model = w4a8_verifier(loaded, cache=False)
+    four = {n: m for n, m in model.model.named_modules() if isinstance(m, W4A8Linear)}
+    assert len(four) == {"mixtral": 2 * (4 + 2 * 3), "phi3": 2 * 7}[family]
+    for name, layer in four.items():
+        assert layer.q4k and layer.form == 32 | 256 and layer.super_scales.shape[1] == layer.in_features // 256
+        want = loaded.model.model.get_submodule(name).weight.detach().float()
+        if family == "phi3" and name.endswith(("q_proj", "k_proj")):
+            assert torch.allclose(layer.dequantized_weight(), want, rtol=0, atol=2e-3 * float(want.abs().max()))
+        else:
+            assert torch.equal(layer.dequantized_weight(), want), name
+    cached = w4a8_verifier(loaded)  # written to the cache as a checkpoint and loaded back
+    for name, layer in four.items():
+        back = cached.model.get_submodule(name)
+        assert back.q4k and all(torch.equal(t, back.state_dict()[n]) for n, t in layer.state_dict().items()), name
+    fused = record_fused_steps(monkeypatch)
+    assert_speculative_matches_ar(LLM(str(path), drafter="ngram", max_context=128), "w4a8", trees=False)
+    if ext.decoder_layer_op() is not None and ext.w4a8_linear_op() is not None:
+        assert fused and all(fused), "the fused step did not run"
 
 
 def test_greedy_speculative_equals_autoregressive(files):

@@ -19,11 +19,11 @@ bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defi
 
 // The input features of a W4A8 weight of n outputs from its packed size (the down projection's
 // K is the intermediate size, which nothing else gives when gate and up are 4-bit too).
-int64_t w4_in_features(const at::Tensor& packed, int64_t n, int64_t group) {
-  const int64_t vectors = (n + kW4Lanes - 1) / kW4Lanes, per_group = vectors * w4_group_bytes(group);
-  TORCH_CHECK(packed.numel() % per_group == 0, "w8a8_decoder_layers: a W4A8 weight's packed size does not fit ", n,
-              " outputs in groups of ", group);
-  return packed.numel() / per_group * group;
+int64_t w4_in_features(const at::Tensor& packed, int64_t n, int64_t form) {
+  const int64_t unit = w4_k_multiple(form), per_unit = w4_packed_bytes(n, unit, form);
+  TORCH_CHECK(packed.numel() % per_unit == 0, "w8a8_decoder_layers: a W4A8 weight's packed size does not fit ", n,
+              " outputs in form ", form);
+  return packed.numel() / per_unit * unit;
 }
 
 // The intermediate size of an MLP whose down projection is at lists[i] (its input features).
@@ -39,11 +39,12 @@ int64_t down_in_features(const LinearLists& lists, int64_t i, int64_t H) {
 
 // A W4A8Linear at lists[i] (n outputs from k inputs) into `in`, writing columns [col, col + n).
 void add_w4(const LinearLists& lists, InputLinears& in, int64_t i, int64_t n, int64_t k, int64_t col, const float* b) {
-  const int64_t group = lists.w4_groups[i];
-  TORCH_CHECK(group == 32 || group == 64 || group == 128, "w8a8_decoder_layers: W4A8 group size ", group);
-  TORCH_CHECK(k % group == 0, "w8a8_decoder_layers: a W4A8 linear needs whole groups (", k, " inputs)");
+  const int64_t group = lists.w4_groups[i];  // the form (w4a8_gemm.h)
+  TORCH_CHECK(w4_form_valid(group), "w8a8_decoder_layers: W4A8 form ", group);
+  TORCH_CHECK(k % w4_k_multiple(group) == 0, "w8a8_decoder_layers: a W4A8 linear needs whole groups (", k,
+              " inputs)");
   TORCH_CHECK(in.n_w4 == 0 || in.group == group,
-              "w8a8_decoder_layers: W4A8 linears of one input must share their group size");
+              "w8a8_decoder_layers: W4A8 linears of one input must share their form");
   const std::optional<at::Tensor> p = lists.w4.get(i);
   TORCH_CHECK(given(p) && p->scalar_type() == at::kByte && p->is_contiguous() &&
                   p->numel() == w4_packed_bytes(n, k, group),
@@ -137,8 +138,8 @@ void StepGemm::quantize(const float* x, int64_t r0, int64_t r1) const {
       quantize_rows_u8(x + r0 * K, nr, K, q, acts_->sx.data() + at, path_);
   }
   if (in_->n_w4) {
-    const int64_t G = K / in_->group;
-    w4_quantize_groups(x + r0 * K, nr, K, in_->group, acts_->w4q.data() + at * K, acts_->w4sx.data() + at * G,
+    const int64_t group = w4_group_size(in_->group), G = K / group;
+    w4_quantize_groups(x + r0 * K, nr, K, group, acts_->w4q.data() + at * K, acts_->w4sx.data() + at * G,
                        acts_->w4xs.data() + at * G);
   }
 }
@@ -161,7 +162,7 @@ void StepGemm::run_vectors(int64_t v0, int64_t v1) const {
 // The 4-bit vectors [first, end) (numbered across the matrices).
 void StepGemm::run_w4(int64_t first, int64_t end) const {
   if (!in_->n_w4 || first >= end) return;
-  const int64_t K = in_->k, group = in_->group, vb = w4_vector_bytes(K, group), G = K / group;
+  const int64_t K = in_->k, form = in_->group, vb = w4_vector_bytes(K, form), G = K / w4_group_size(form);
   const W4Acts acts{acts_->w4q.data() + row0_ * K, K, acts_->w4sx.data() + row0_ * G,
                     acts_->w4xs.data() + row0_ * G, G};
   int64_t m = 0;
@@ -170,7 +171,7 @@ void StepGemm::run_w4(int64_t first, int64_t end) const {
     const W4Matrix& w = in_->w4[m];
     const int64_t n0 = (v - w4_first_[m]) * kW4Lanes;
     const bool prefetch = prefetch_stream_at((v - std::max(first, w4_first_[m])) * vb);
-    w4_vector_rows(w4_kernel_, w4_rows_, w.packed + (v - w4_first_[m]) * vb, K, group, acts, M_,
+    w4_vector_rows(w4_kernel_, w4_rows_, w.packed + (v - w4_first_[m]) * vb, K, form, acts, M_,
                    std::min(kW4Lanes, w.n - n0), w.bias ? w.bias + n0 : nullptr, y_ + w.y_col + n0, y_stride_,
                    prefetch);
   }

@@ -22,7 +22,7 @@
 
 namespace quasar {
 
-// One W4A8Linear: its weight packed by w4_pack for (n, K, group), an optional float32 bias
+// One W4A8Linear: its weight packed by w4_pack (or w4_pack_q4k) for (n, K, form), an optional float32 bias
 // [n]; its outputs go to columns [y_col, y_col + n).
 struct W4Matrix {
   const uint8_t* packed;
@@ -38,7 +38,7 @@ struct InputLinears {
   Int8Segment i8[kMaxInputLinears];
   int64_t n_i8 = 0, act_bits = 8;  // the int8 ones' activation bits (8 or 15)
   W4Matrix w4[kMaxInputLinears];
-  int64_t n_w4 = 0, group = 0;  // the 4-bit ones' group size
+  int64_t n_w4 = 0, group = 0;  // the 4-bit ones' form (their group size, or the Q4_K form)
 };
 
 // A SwiGLU MLP's linears by input (a dense layer's, an expert's, a shared expert's); inter =

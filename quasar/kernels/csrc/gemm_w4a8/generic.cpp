@@ -24,14 +24,39 @@ namespace quasar {
 // Plain C++, the same sums and order as the SIMD kernels. Per step the inner loop is a 4-way
 // u8 x s8 dot product for each of 16 lanes, once for the low nibbles and once for the high:
 // where a NEON `udot`/`usdot` over the unpacked nibbles (vandq / vshrq) would slot in.
-void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, float* offset) {
+  uint16_t sc[kW4Lanes], of[kW4Lanes];
+  if (!w4_superblocks(form)) {
+    const uint8_t* p = vec + g * w4_group_bytes(form) + 8 * form;
+    std::memcpy(sc, p, sizeof sc);
+    std::memcpy(of, p + sizeof sc, sizeof of);
+    for (int64_t i = 0; i < kW4Lanes; ++i) {  // c10's exact half -> float: vcvtph2ps's value
+      scale[i] = c10::detail::fp16_ieee_to_fp32_value(sc[i]);
+      offset[i] = c10::detail::fp16_ieee_to_fp32_value(of[i]);
+    }
+    return;
+  }
+  const uint8_t* h = vec + g / kW4SuperGroups * kW4SuperBytes;
+  const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
+  std::memcpy(sc, h, sizeof sc);
+  std::memcpy(of, h + sizeof sc, sizeof of);
+  for (int64_t i = 0; i < kW4Lanes; ++i) {  // exact: 11 significant bits times at most 8
+    scale[i] = c10::detail::fp16_ieee_to_fp32_value(sc[i]) * static_cast<float>(codes[i]);
+    offset[i] = c10::detail::fp16_ieee_to_fp32_value(of[i]) * static_cast<float>(codes[kW4Lanes + i]);
+  }
+}
+
+// Plain C++, the same sums and order as the SIMD kernels. Per step the inner loop is a 4-way
+// u8 x s8 dot product for each of 16 lanes, once for the low nibbles and once for the high:
+// where a NEON `udot`/`usdot` over the unpacked nibbles (vandq / vshrq) would slot in.
+void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                       bool /*prefetch: none here*/) {
-  const int64_t groups = K / group, gbytes = w4_group_bytes(group), steps = group / 8;
+  const int64_t group = w4_group_size(form), groups = K / group, steps = group / 8;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kW4Lanes] = {};
     const int8_t* xr = a.q + r * a.ldq;
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* p = vec + g * gbytes;
+      const uint8_t* p = w4_group_nibbles(vec, g, form);
       int32_t s[kW4Lanes] = {};
       for (int64_t st = 0; st < steps; ++st) {
         const uint8_t* c = p + 64 * st;
@@ -45,13 +70,10 @@ void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts
           s[i] += sum;
         }
       }
-      uint16_t sc[kW4Lanes], of[kW4Lanes];
-      std::memcpy(sc, p + 8 * group, sizeof sc);
-      std::memcpy(of, p + 8 * group + sizeof sc, sizeof of);
+      float sc[kW4Lanes], of[kW4Lanes];
+      w4_group_params(vec, g, form, sc, of);
       const float sx = a.sx[r * a.ldg + g], xs = a.xs[r * a.ldg + g];
-      for (int64_t i = 0; i < kW4Lanes; ++i)  // c10's exact half -> float: vcvtph2ps's value
-        acc[i] = (acc[i] + (static_cast<float>(s[i]) * sx) * c10::detail::fp16_ieee_to_fp32_value(sc[i])) +
-                 xs * c10::detail::fp16_ieee_to_fp32_value(of[i]);
+      for (int64_t i = 0; i < kW4Lanes; ++i) acc[i] = (acc[i] + (static_cast<float>(s[i]) * sx) * sc[i]) + xs * of[i];
     }
     std::memcpy(out + r * kW4Lanes, acc, sizeof acc);
   }
@@ -128,14 +150,14 @@ W4RowsFn w4_active_kernel(KernelPath path, int64_t* max_rows) {
   return w4_kernel(static_cast<KernelPath>(p));
 }
 
-void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t group,
+void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t form,
                     const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride,
                     bool prefetch) {
   float out[kW4MaxRows * kW4Lanes];
   for (int64_t r0 = 0; r0 < M; r0 += max_rows) {  // the first pass reads the vector, later ones hit cache
     const int64_t rows = std::min(max_rows, M - r0);
     const W4Acts acts{a.q + r0 * a.ldq, a.ldq, a.sx + r0 * a.ldg, a.xs + r0 * a.ldg, a.ldg};
-    kernel(vec, K, group, acts, rows, out, r0 == 0 && (prefetch || M > 1));
+    kernel(vec, K, form, acts, rows, out, r0 == 0 && (prefetch || M > 1));
     for (int64_t r = 0; r < rows; ++r) {
       float* yr = y + (r0 + r) * y_stride;
       const float* o = out + r * kW4Lanes;

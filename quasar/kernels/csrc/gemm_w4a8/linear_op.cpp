@@ -6,10 +6,12 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -24,20 +26,49 @@ int path_by_name(const std::string& name) {
   return static_cast<int>(p);
 }
 
-void check_shape(int64_t N, int64_t K, int64_t group, const char* op) {
-  TORCH_CHECK(group == 32 || group == 64 || group == 128, op, ": the group size must be 32, 64 or 128, got ", group);
-  TORCH_CHECK(K > 0 && K % group == 0, op, ": K (", K, ") must be a positive multiple of the group size (", group,
-              ")");
+void check_shape(int64_t N, int64_t K, int64_t form, const char* op) {
+  TORCH_CHECK(quasar::w4_form_valid(form), op, ": the group size must be 32, 64 or 128 (or the Q4_K form, ",
+              quasar::kW4Q4K, "), got ", form);
+  const int64_t multiple = quasar::w4_k_multiple(form);
+  TORCH_CHECK(K > 0 && K % multiple == 0, op, ": K (", K, ") must be a positive multiple of ",
+              quasar::w4_superblocks(form) ? "the Q4_K superblock" : "the group size", " (", multiple, ")");
   TORCH_CHECK(N >= 0, op, ": N must not be negative, got ", N);
 }
 
-at::Tensor group_params(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
-  // float16 and nothing else: a wider tensor would be rounded here, out of the reference's sight.
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kHalf, "w4_pack: ", what,
-              " must be a float16 CPU tensor, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == G, "w4_pack: ", what, " must be [N, K / group] = [", N,
+// `shape` names the expected [N, cols] = [N, G] in the message.
+at::Tensor group_params(const at::Tensor& t, int64_t N, int64_t G, const char* what, at::ScalarType type,
+                        const char* shape) {
+  // this type and nothing else: a wider tensor would be rounded here, out of the reference's sight.
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type, "w4_pack: ", what, " must be a ",
+              type == at::kHalf ? "float16" : "uint8", " CPU tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == G, "w4_pack: ", what, " must be ", shape, " = [", N,
               ", ", G, "], got ", t.sizes());
   return t.contiguous();
+}
+
+at::Tensor check_q(const at::Tensor& q) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && (q.scalar_type() == at::kChar || q.scalar_type() == at::kByte),
+              "w4_pack: q must be a 2-D int8 or uint8 CPU tensor of values 0..15, got ", q.dim(), "-D ",
+              q.scalar_type());
+  return q.contiguous();
+}
+
+// Lane i of vector v's nibble bytes of group g (its 64 * group / 8 bytes at `blk`) from the
+// row n of q [N, K]; returns the bits past 4 that any value had (nonzero: out of range).
+uint8_t pack_lane_nibbles(const uint8_t* qs, int64_t N, int64_t K, int64_t n, int64_t g, int64_t group, int64_t i,
+                          uint8_t* blk) {
+  uint8_t bad = 0;
+  for (int64_t st = 0; st < group / 8; ++st)
+    for (int j = 0; j < 4; ++j) {
+      uint8_t byte = 0;
+      if (n < N) {
+        const uint8_t* col = qs + n * K + g * group + 8 * st + j;
+        bad |= col[0] | col[4];
+        byte = static_cast<uint8_t>(col[0] | col[4] << 4);
+      }
+      blk[64 * st + 4 * i + j] = byte;
+    }
+  return bad;
 }
 
 }  // namespace
@@ -45,14 +76,13 @@ at::Tensor group_params(const at::Tensor& t, int64_t N, int64_t G, const char* w
 // q [N, K] (int8 or uint8, values 0..15), scales and offsets [N, K / group] -> the packed
 // uint8 [w4_packed_bytes(N, K, group)] of w4a8_gemm.h.
 at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group) {
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && (q.scalar_type() == at::kChar || q.scalar_type() == at::kByte),
-              "w4_pack: q must be a 2-D int8 or uint8 CPU tensor of values 0..15, got ", q.dim(), "-D ",
-              q.scalar_type());
-  const int64_t N = q.size(0), K = q.size(1);
+  const at::Tensor qc = check_q(q);
+  const int64_t N = qc.size(0), K = qc.size(1);
+  TORCH_CHECK(!quasar::w4_superblocks(group), "w4_pack: the Q4_K form is packed by w4_pack_q4k");
   check_shape(N, K, group, "w4_pack");
   const int64_t G = K / group;
-  const at::Tensor qc = q.contiguous(), sc = group_params(scales, N, G, "scales"),
-                   oc = group_params(offsets, N, G, "offsets");
+  const at::Tensor sc = group_params(scales, N, G, "scales", at::kHalf, "[N, K / group]"),
+                   oc = group_params(offsets, N, G, "offsets", at::kHalf, "[N, K / group]");
   at::Tensor out = at::empty({quasar::w4_packed_bytes(N, K, group)}, q.options().dtype(at::kByte));
   const uint8_t* qs = static_cast<const uint8_t*>(qc.data_ptr());  // int8 0..15 reads the same
   const uint16_t *s = static_cast<const uint16_t*>(sc.data_ptr()), *o = static_cast<const uint16_t*>(oc.data_ptr());
@@ -70,16 +100,7 @@ at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
           const int64_t n = v * quasar::kW4Lanes + i;
           lane_s[i] = n < N ? s[n * G + g] : uint16_t{0};
           lane_o[i] = n < N ? o[n * G + g] : uint16_t{0};
-          for (int64_t st = 0; st < group / 8; ++st)
-            for (int j = 0; j < 4; ++j) {
-              uint8_t byte = 0;
-              if (n < N) {
-                const uint8_t* col = qs + n * K + g * group + 8 * st + j;
-                bad |= col[0] | col[4];
-                byte = static_cast<uint8_t>(col[0] | col[4] << 4);
-              }
-              blk[64 * st + 4 * i + j] = byte;
-            }
+          bad |= pack_lane_nibbles(qs, N, K, n, g, group, i, blk);
         }
         std::memcpy(blk + 8 * group, lane_s, sizeof lane_s);
         std::memcpy(blk + 8 * group + sizeof lane_s, lane_o, sizeof lane_o);
@@ -90,7 +111,57 @@ at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
   return out;
 }
 
-// x [..., K] floating point, packed by w4_pack for (N, K, group), bias [N] or None ->
+// q [N, K] (values 0..15, K a multiple of 256), the codes c and o uint8 [N, K / 32], the
+// superblock factors d and m float16 [N, K / 256] -> the packed uint8 of the Q4_K form
+// (w4a8_gemm.h): scale = d * c, offset = m * o.
+at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const at::Tensor& offset_codes,
+                       const at::Tensor& super_scales, const at::Tensor& super_offsets) {
+  const at::Tensor qc = check_q(q);
+  const int64_t N = qc.size(0), K = qc.size(1), form = quasar::kW4Q4K, group = quasar::w4_group_size(form);
+  check_shape(N, K, form, "w4_pack_q4k");
+  const int64_t G = K / group, S = G / quasar::kW4SuperGroups;
+  const at::Tensor c = group_params(scale_codes, N, G, "scale codes", at::kByte, "[N, K / 32]"),
+                   o = group_params(offset_codes, N, G, "offset codes", at::kByte, "[N, K / 32]"),
+                   d = group_params(super_scales, N, S, "superblock scales", at::kHalf, "[N, K / 256]"),
+                   m = group_params(super_offsets, N, S, "superblock offsets", at::kHalf, "[N, K / 256]");
+  at::Tensor out = at::zeros({quasar::w4_packed_bytes(N, K, form)}, q.options().dtype(at::kByte));
+  const uint8_t *qs = static_cast<const uint8_t*>(qc.data_ptr()), *cs = c.data_ptr<uint8_t>(),
+                *os = o.data_ptr<uint8_t>();
+  const uint16_t *ds = static_cast<const uint16_t*>(d.data_ptr()), *ms = static_cast<const uint16_t*>(m.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t vb = quasar::w4_vector_bytes(K, form), L = quasar::kW4Lanes;
+  const int64_t vectors = (N + L - 1) / L;
+  std::atomic<bool> out_of_range{false};
+  at::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
+    uint8_t bad = 0;
+    for (int64_t v = v0; v < v1; ++v)
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t n = v * L + i;
+        if (n >= N) break;  // padding lanes stay 0
+        for (int64_t sb = 0; sb < S; ++sb) {
+          uint8_t* h = dst + v * vb + sb * quasar::kW4SuperBytes;
+          std::memcpy(h + 2 * i, ds + n * S + sb, 2);
+          std::memcpy(h + 2 * L + 2 * i, ms + n * S + sb, 2);
+          for (int64_t j = 0; j < quasar::kW4SuperGroups; ++j) {
+            const int64_t g = sb * quasar::kW4SuperGroups + j;
+            h[4 * L + 2 * L * j + i] = cs[n * G + g];
+            h[4 * L + 2 * L * j + L + i] = os[n * G + g];
+          }
+        }
+      }
+    for (int64_t v = v0; v < v1; ++v)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* blk = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
+        for (int64_t i = 0; i < L; ++i) bad |= pack_lane_nibbles(qs, N, K, v * L + i, g, group, i, blk);
+      }
+    if (bad & 0xF0) out_of_range.store(true, std::memory_order_relaxed);
+  });
+  TORCH_CHECK(!out_of_range.load(), "w4_pack_q4k: q must hold 4-bit values 0..15 (found one outside)");
+  return out;
+}
+
+// x [..., K] floating point, packed by w4_pack for (N, K, group) or w4_pack_q4k (form
+// kW4Q4K; `group` is the form), bias [N] or None ->
 // float32 [..., N]. path "": the active kernel path (less any the self-check disabled);
 // else exactly that path's kernel (the self-check and tests; the CPU must run it).
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t K, int64_t group,
@@ -125,12 +196,13 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor xf = x.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = xf.size(0), G = K / group;
+  const int64_t M = xf.size(0), G = K / quasar::w4_group_size(group);
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0 || N == 0) return y.view(out_shape);
   std::vector<int8_t> q(M * K);
   std::vector<float> sx(M * G), xs(M * G);
-  quasar::w4_quantize_groups(xf.data_ptr<float>(), M, K, group, q.data(), sx.data(), xs.data());
+  quasar::w4_quantize_groups(xf.data_ptr<float>(), M, K, quasar::w4_group_size(group), q.data(), sx.data(),
+                             xs.data());
   const quasar::W4Acts acts{q.data(), K, sx.data(), xs.data(), G};
 
   const uint8_t* w = packed.data_ptr<uint8_t>();

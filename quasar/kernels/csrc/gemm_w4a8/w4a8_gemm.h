@@ -19,6 +19,14 @@
 // k0+4..k0+7; its two 32-byte halves are lanes 0..7 and 8..15 (two ymm operands), and the
 // scales and offsets a group's epilogue needs follow its nibbles. Every block is a multiple
 // of 64 bytes, so vectors and groups start on cache lines of a 64-byte aligned buffer.
+//
+// A weight's form: its group size (32, 64 or 128: the float16 parameters above), or kW4Q4K:
+// groups of 32 whose parameters are a GGUF Q4_K superblock's, exactly: per 256 columns and
+// lane a float16 d and m, per group and lane 8-bit codes c and o, scale = d * c and offset =
+// m * o (products exact in float32; m is Q4_K's -dmin). Its vector is superblocks of
+// kW4SuperBytes: a 320-byte header (16 d, 16 m, then for each of its 8 groups 16 c and 16 o)
+// and the 8 groups' nibbles as above (256 bytes each, no parameters after them): 4.625 bits a
+// weight, not 5, and the file's own scales rather than float16 roundings of them.
 #pragma once
 
 #include <cstdint>
@@ -31,9 +39,33 @@ constexpr int64_t kW4Lanes = 16;
 // Bytes of one group of one vector: the nibbles (16 lanes x group / 2), 16 scales, 16 offsets.
 constexpr int64_t w4_group_bytes(int64_t group) { return 8 * group + 2 * 2 * kW4Lanes; }
 
-inline int64_t w4_vector_bytes(int64_t k, int64_t group) { return k / group * w4_group_bytes(group); }
-inline int64_t w4_packed_bytes(int64_t n, int64_t k, int64_t group) {
-  return (n + kW4Lanes - 1) / kW4Lanes * w4_vector_bytes(k, group);
+// The Q4_K form (see above): a flag on its group size.
+constexpr int64_t kW4SuperblockFlag = 1 << 8;
+constexpr int64_t kW4Q4K = 32 | kW4SuperblockFlag;
+constexpr int64_t kW4SuperGroups = 8;
+constexpr int64_t kW4SuperHeaderBytes = 2 * 2 * kW4Lanes + kW4SuperGroups * 2 * kW4Lanes;  // 320
+constexpr int64_t kW4SuperBytes = kW4SuperHeaderBytes + kW4SuperGroups * 8 * 32;          // 2368
+constexpr int64_t w4_group_size(int64_t form) { return form & (kW4SuperblockFlag - 1); }
+constexpr bool w4_superblocks(int64_t form) { return (form & kW4SuperblockFlag) != 0; }
+// Whether `form` is one the kernels take.
+constexpr bool w4_form_valid(int64_t form) { return form == 32 || form == 64 || form == 128 || form == kW4Q4K; }
+// The K a vector of `form` must divide into whole groups (and superblocks).
+constexpr int64_t w4_k_multiple(int64_t form) {
+  return w4_superblocks(form) ? kW4SuperGroups * w4_group_size(form) : w4_group_size(form);
+}
+// Group g's nibbles in a vector.
+inline const uint8_t* w4_group_nibbles(const uint8_t* vec, int64_t g, int64_t form) {
+  if (w4_superblocks(form))
+    return vec + g / kW4SuperGroups * kW4SuperBytes + kW4SuperHeaderBytes + g % kW4SuperGroups * 8 * 32;
+  return vec + g * w4_group_bytes(form);
+}
+
+inline int64_t w4_vector_bytes(int64_t k, int64_t form) {
+  if (w4_superblocks(form)) return k / (kW4SuperGroups * 32) * kW4SuperBytes;
+  return k / form * w4_group_bytes(form);
+}
+inline int64_t w4_packed_bytes(int64_t n, int64_t k, int64_t form) {
+  return (n + kW4Lanes - 1) / kW4Lanes * w4_vector_bytes(k, form);
 }
 
 // The quantized activations of M rows: q int8 [M, ldq] (ldq >= K), and per row and group
@@ -52,22 +84,25 @@ struct W4Acts {
 // and the same float32 operations in the same order, so all give the same bits.
 // prefetch: the pass asks for its bytes ahead in software (else the hardware prefetcher alone
 // streams them; see prefetch_whole_stream in int8_gemm.h).
-using W4RowsFn = void (*)(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+using W4RowsFn = void (*)(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                           bool prefetch);
 
 constexpr int64_t kW4MaxRows = 16;  // the most rows any kernel takes per pass over a vector
 constexpr int64_t kAvx2Rows = 2;  // 6 R int accumulators + 2 R float ones + 7 others: spills past 2
 constexpr int64_t kAvxVnniRows = 4;  // 4 R accumulators + 6 others of 16 ymm
-void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                       bool prefetch);
-void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                   bool prefetch);
-void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                       bool prefetch);
-void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                          bool prefetch);
 // Rows per pass of each path's kernel (the driver cuts M into passes of at most this many).
 int64_t w4_max_rows(KernelPath path);
+
+// Group g's 16 scales and offsets as float32 (exact: a float16, or a float16 times a code).
+void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, float* offset);
 
 // The activations' side of the contract (generic.cpp): x [M, K] float32 (K a multiple of
 // group) -> q int8 [M, K], sx and xs float [M, K / group], one row at a time.
@@ -91,7 +126,7 @@ W4RowsFn w4_active_kernel(KernelPath path, int64_t* max_rows);
 // finish vectors here, so they give the same bits.
 // prefetch: whether a one-row step's pass prefetches; the first pass of a step of more rows
 // always does, later passes (the vector in cache) never.
-void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t group,
+void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t form,
                     const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride,
                     bool prefetch);
 

@@ -27,21 +27,43 @@ namespace {
 using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table index
 
 // A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
-// (float16, widened exactly by vcvtph2ps) at `so` (after its nibbles), the exact sums s of R
-// rows, into their accumulators.
-template <int R>
+// (float16 after its nibbles `p`, widened exactly by vcvtph2ps; SB, the Q4_K form: d * c and
+// m * o from its superblock's header, exact products), the exact sums s of R rows, into their
+// accumulators.
+template <int R, bool SB>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(
-    const uint8_t* so, const W4Acts& a, int64_t g, const __m256i (&s)[R][2], __m256 (&acc)[R][2], bool pf) {
-  if (pf) prefetch(so + kPrefetchBytes);
-  for (int h = 0; h < 2; ++h) {
-    const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 16 * h)));
-    const __m256 of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 32 + 16 * h)));
+    const uint8_t* vec, const uint8_t* p, int64_t group, const W4Acts& a, int64_t g, const __m256i (&s)[R][2],
+    __m256 (&acc)[R][2], bool pf) {
+  const uint8_t* so = p + 8 * group;
+  const uint8_t* h = vec + g / kW4SuperGroups * kW4SuperBytes;
+  const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
+  if (!SB && pf) prefetch(so + kPrefetchBytes);
+  for (int half = 0; half < 2; ++half) {
+    __m256 sc, of;
+    if constexpr (SB) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * half)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 32 + 16 * half)));
+      const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * half)));
+      const __m256i o =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + kW4Lanes + 8 * half)));
+      sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(c));
+      of = _mm256_mul_ps(m, _mm256_cvtepi32_ps(o));
+    } else {
+      sc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 16 * half)));
+      of = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + 32 + 16 * half)));
+    }
     for (int r = 0; r < R; ++r) {
       const __m256 sx = _mm256_set1_ps(a.sx[r * a.ldg + g]), xs = _mm256_set1_ps(a.xs[r * a.ldg + g]);
-      const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][h]), sx), sc);
-      acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], t), _mm256_mul_ps(xs, of));
+      const __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[r][half]), sx), sc);
+      acc[r][half] = _mm256_add_ps(_mm256_add_ps(acc[r][half], t), _mm256_mul_ps(xs, of));
     }
   }
+}
+
+// The superblock header's lines, prefetched with its first group (SB).
+__attribute__((always_inline)) inline void prefetch_header(const uint8_t* p, int64_t g) {
+  if (g % kW4SuperGroups == 0)
+    for (int64_t l = 0; l < kW4SuperHeaderBytes; l += 64) prefetch(p - kW4SuperHeaderBytes + l + kPrefetchBytes);
 }
 
 // ------------------------------------------------------------------ AVX2
@@ -55,16 +77,17 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilog
 // 16, a multiple of 4, so flushes never straddle groups.
 constexpr int64_t kStepsPerFlush = 4;
 
-template <int R, int STEPS>
+template <int R, int STEPS, bool SB = false>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, const W4Acts& a, float* out,
                                                         bool pf) {
-  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group), steps = STEPS;
+  constexpr int64_t group = 8 * STEPS, form = SB ? kW4Q4K : group, steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = vec + g * gbytes;
+    const uint8_t* p = w4_group_nibbles(vec, g, form);
+    if (SB && pf) prefetch_header(p, g);
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -92,7 +115,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(h16[r][h], ones));
     }
-    group_epilogue_256<R>(p + 8 * group, a, g, s, acc, pf);
+    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, pf);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
@@ -103,16 +126,17 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
 #define QUASAR_W4_AVX_VNNI 1
 // 256-bit vpdpbusd: u8 nibbles x s8 activations, four products summed into each int32 lane,
 // exact (no +128 shift of the activations, so no compensation term).
-template <int R, int STEPS>
+template <int R, int STEPS, bool SB = false>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, const W4Acts& a,
                                                                     float* out, bool pf) {
-  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group), steps = STEPS;
+  constexpr int64_t group = 8 * STEPS, form = SB ? kW4Q4K : group, steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = vec + g * gbytes;
+    const uint8_t* p = w4_group_nibbles(vec, g, form);
+    if (SB && pf) prefetch_header(p, g);
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 16
@@ -132,7 +156,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
           s[r][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][h], lo, xa[r]), hi, xb[r]);
       }
     }
-    group_epilogue_256<R>(p + 8 * group, a, g, s, acc, pf);
+    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, pf);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
@@ -141,23 +165,26 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
 
 }  // namespace
 
-void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                   bool prefetch) {
-  static constexpr StepsFn kFns[3][kAvx2Rows] = {
-      {rows_avx2<1, 4>, rows_avx2<2, 4>}, {rows_avx2<1, 8>, rows_avx2<2, 8>}, {rows_avx2<1, 16>, rows_avx2<2, 16>}};
-  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
+  static constexpr StepsFn kFns[kFormCount][kAvx2Rows] = {{rows_avx2<1, 4>, rows_avx2<2, 4>},
+                                                          {rows_avx2<1, 8>, rows_avx2<2, 8>},
+                                                          {rows_avx2<1, 16>, rows_avx2<2, 16>},
+                                                          {rows_avx2<1, 4, true>, rows_avx2<2, 4, true>}};
+  kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
 }
 
-void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                       bool prefetch) {
 #ifdef QUASAR_W4_AVX_VNNI
-  static constexpr StepsFn kFns[3][kAvxVnniRows] = {
+  static constexpr StepsFn kFns[kFormCount][kAvxVnniRows] = {
       {rows_avx_vnni<1, 4>, rows_avx_vnni<2, 4>, rows_avx_vnni<3, 4>, rows_avx_vnni<4, 4>},
       {rows_avx_vnni<1, 8>, rows_avx_vnni<2, 8>, rows_avx_vnni<3, 8>, rows_avx_vnni<4, 8>},
-      {rows_avx_vnni<1, 16>, rows_avx_vnni<2, 16>, rows_avx_vnni<3, 16>, rows_avx_vnni<4, 16>}};
-  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
+      {rows_avx_vnni<1, 16>, rows_avx_vnni<2, 16>, rows_avx_vnni<3, 16>, rows_avx_vnni<4, 16>},
+      {rows_avx_vnni<1, 4, true>, rows_avx_vnni<2, 4, true>, rows_avx_vnni<3, 4, true>, rows_avx_vnni<4, 4, true>}};
+  kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
 #else
-  (void)vec, (void)K, (void)group, (void)a, (void)rows, (void)out, (void)prefetch;
+  (void)vec, (void)K, (void)form, (void)a, (void)rows, (void)out, (void)prefetch;
   __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
 #endif
 }

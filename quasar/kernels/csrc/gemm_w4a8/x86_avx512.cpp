@@ -25,10 +25,11 @@ using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table 
 // chains enough, and one accumulator a row leaves the registers for the rows. Registers:
 // 2R (R <= 8) or R int32 accumulators + R float ones + 6 others; past R = 13 GCC keeps some
 // float ones in L1, which costs less than a second pass.
-template <int R, int STEPS>
+// SB: the Q4_K form (group 32, parameters in each superblock's header; w4a8_gemm.h).
+template <int R, int STEPS, bool SB = false>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
                                                                          const W4Acts& a, float* out, bool pf) {
-  constexpr int64_t group = 8 * STEPS, gbytes = w4_group_bytes(group);
+  constexpr int64_t group = 8 * STEPS, form = SB ? kW4Q4K : group;
   constexpr bool kTwoChains = R <= 8;
   __m512 acc[R];
 #pragma GCC unroll 16
@@ -36,7 +37,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = vec + g * gbytes;
+    const uint8_t* p = w4_group_nibbles(vec, g, form);
+    if (SB && pf && g % kW4SuperGroups == 0)
+      for (int64_t l = 0; l < kW4SuperHeaderBytes; l += 64) prefetch(p - kW4SuperHeaderBytes + l + kPrefetchBytes);
     __m512i sl[R], sh[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
@@ -54,10 +57,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
         h = _mm512_dpbusd_epi32(h, hi, _mm512_set1_epi32(load_u32(x + 4)));
       }
     }
-    const uint8_t* so = p + 8 * group;
-    if (pf) prefetch(so + kPrefetchBytes);
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
-    const __m512 of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + 32)));
+    __m512 sc, of;
+    if constexpr (SB) {  // d * c and m * o, exact in float32
+      const uint8_t* h = vec + g / kW4SuperGroups * kW4SuperBytes;
+      const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+      const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+      const __m512i o = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kW4Lanes)));
+      sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(c));
+      of = _mm512_mul_ps(m, _mm512_cvtepi32_ps(o));
+    } else {
+      const uint8_t* so = p + 8 * group;
+      if (pf) prefetch(so + kPrefetchBytes);
+      sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
+      of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + 32)));
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 sx = _mm512_set1_ps(a.sx[r * a.ldg + g]), xs = _mm512_set1_ps(a.xs[r * a.ldg + g]);
@@ -73,17 +88,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
 }  // namespace
 
 // kernels for R = 1 .. kW4MaxRows rows at one number of steps a group
-template <int STEPS, int... R>
+template <int STEPS, bool SB, int... R>
 constexpr std::array<StepsFn, sizeof...(R)> avx512_rows(std::integer_sequence<int, R...>) {
-  return {rows_avx512<R + 1, STEPS>...};
+  return {rows_avx512<R + 1, STEPS, SB>...};
 }
 
-void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t group, const W4Acts& a, int64_t rows, float* out,
+void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                          bool prefetch) {
   using Rows = std::make_integer_sequence<int, kW4MaxRows>;
-  static constexpr std::array<StepsFn, kW4MaxRows> kFns[3] = {avx512_rows<4>(Rows{}), avx512_rows<8>(Rows{}),
-                                                               avx512_rows<16>(Rows{})};
-  kFns[steps_index(group)][rows - 1](vec, K, a, out, prefetch);
+  static constexpr std::array<StepsFn, kW4MaxRows> kFns[kFormCount] = {
+      avx512_rows<4, false>(Rows{}), avx512_rows<8, false>(Rows{}), avx512_rows<16, false>(Rows{}),
+      avx512_rows<4, true>(Rows{})};
+  kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
 }
 
 }  // namespace quasar

@@ -1,5 +1,5 @@
 // What the x86 W4A8 kernels share (x86_avx2.cpp, x86_avx512.cpp): the prefetch distance,
-// unaligned loads, and the table index of a group size.
+// unaligned loads, and the table index of a form.
 #pragma once
 
 #include "gemm_w4a8/w4a8_gemm.h"
@@ -24,9 +24,11 @@ inline int32_t load_u32(const int8_t* p) {
 
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
-// A kernel for one group size (STEPS = group / 8 a template argument) and row count.
+// A kernel for one form (STEPS = group / 8 a template argument) and row count, in tables
+// indexed by form_index: groups of 32, 64, 128 with float16 parameters, then the Q4_K form.
 using StepsFn = void (*)(const uint8_t*, int64_t, const W4Acts&, float*, bool);
-inline int steps_index(int64_t group) { return group == 32 ? 0 : group == 64 ? 1 : 2; }
+constexpr int kFormCount = 4;
+inline int form_index(int64_t form) { return form == 32 ? 0 : form == 64 ? 1 : form == 128 ? 2 : 3; }
 
 }  // namespace w4x86
 }  // namespace quasar
