@@ -30,6 +30,9 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
           "lm_head.weight": "output.weight"}
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+# A Q4_K file keeps these in Q6_K here, as llama.cpp's Q4_K_M keeps some of them (layer 0's
+# value and down projections, the output head).
+Q4_K_M_WIDER = re.compile(r"^(blk\.0\.(attn_v|ffn_down(_exps)?)|output)\.weight$")
 EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
@@ -87,8 +90,30 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(*w.shape[:-1], w.shape[-1] // 256 * 144)
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """`w` (rows of whole 256-weight superblocks) as Q6_K blocks of 210 bytes: low nibbles,
+    high bit pairs, 16 int8 scales, float16 d (quasar.models.gguf_groups.q6k_blocks inverted;
+    a plain fit, not llama.cpp's search)."""
+    sub = w.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(sub).max(axis=2) / 31
+    d = (scale.max(axis=1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(sub, step, out=np.zeros_like(sub), where=step > 0)) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 128)  # two halves of 128 weights
+    low = (q[:, :, :64] & 15) | (q[:, :, 64:] & 15) << 4
+    high = q.reshape(-1, 2, 4, 32) >> 4
+    high = high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6
+    blocks = np.concatenate([low.reshape(-1, 128), high.reshape(-1, 64), sc.view(np.uint8), d[:, None].view(np.uint8)],
+                            axis=1)
+    return blocks.reshape(*w.shape[:-1], w.shape[-1] // 256 * 210)
+
+
 def _quantized(name: str, w: np.ndarray, qtype) -> tuple[np.ndarray, GGMLQuantizationType]:
     """`w` in `qtype` where llama.cpp would quantize it (a matrix of whole blocks; not a router or norm)."""
+    if qtype == GGMLQuantizationType.Q4_K and Q4_K_M_WIDER.search(name) and w.shape[-1] % 256 == 0:
+        return quantize_q6_k(w), GGMLQuantizationType.Q6_K
     block = 256 if qtype == GGMLQuantizationType.Q4_K else 32
     if qtype is None or w.ndim < 2 or "ffn_gate_inp" in name or w.shape[-1] % block:
         return w, GGMLQuantizationType.F32

@@ -41,7 +41,7 @@ def pruned_model(model: Transformer, fraction: float) -> Transformer:
     return pruned
 
 
-def model_bytes(model: Transformer, rows: int | None = None) -> int:
+def model_bytes(model: nn.Module, rows: int | None = None) -> int:
     """Bytes of weights one forward reads: everything but the embedding table (one row of
     it is read), with a tied lm_head counted once. A mixture-of-experts step of `rows` rows
     reads only the experts its rows reach: expected_experts of each sparse layer's (exactly
@@ -49,8 +49,13 @@ def model_bytes(model: Transformer, rows: int | None = None) -> int:
     seen, total = set(), 0
     # modules read a few rows a step, not whole (a RefinedHead's int8 head): like the embedding
     unread = tuple(f"{n}." for n, m in model.named_modules() if not getattr(m, "streamed", True))
+    # 4- and 6-bit layers stream their packing, not their stored form (a Q6_K value a byte)
+    packed = {n: m for n, m in model.named_modules() if hasattr(m, "step_bytes")}
+    total += sum(m.step_bytes() for m in packed.values())
     for name, t in model.state_dict().items():
-        if name.startswith(("model.embed_tokens.", *unread)) or t.data_ptr() in seen:
+        owner, _, part = name.rpartition(".")
+        if name.startswith(("model.embed_tokens.", *unread)) or t.data_ptr() in seen or \
+                (owner in packed and part != "bias"):
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
@@ -58,6 +63,6 @@ def model_bytes(model: Transformer, rows: int | None = None) -> int:
         return total
     for block in sparse_blocks(model):
         n = len(block.experts)
-        expert = sum(t.numel() * t.element_size() for t in block.experts.state_dict().values()) / n
+        expert = model_bytes(block.experts) / n
         total -= round(expert * (n - expected_experts(n, block.top_k, rows)))
     return total

@@ -9,9 +9,10 @@ kernels stream as they are; Q4_K's are two-level (a float16 times a 6-bit code),
 kernels' Q4_K form streams as stored (fewer bytes than float16 products, and exact).
 
 What happens to the rest is the layout (quasar.quant.w4a8_layouts). ``faithful``, the
-default: the layer tensors the file keeps wider (a Q4_K_M file's Q6_K half of the value and
-down projections; every layer of a Q8_0 or float GGUF) stay int8 with 15-bit activations, and
-the head is an ``ExactTopHead`` (int8 logits, the likeliest recomputed from the float rows).
+default: the layer tensors the file keeps wider stay at its precision: a Q4_K_M file's Q6_K
+half of the value and down projections as their own 6-bit blocks (``Q6KLinear``), any other
+(Q5_K, Q8_0, float) int8 with 15-bit activations; the head is an ``ExactTopHead`` (its Q6_K
+blocks, else int8, for the logits, the likeliest recomputed from the float rows).
 ``small`` (``--verifier w4a8-small``): those tensors fitted to affine int4 groups
 (``fit_weight_w4_affine``, llama.cpp's weighted fit of a Q4_K block) and a ``RefinedHead``
 (4-bit logits, the likeliest from the int8 head): fewer bytes a step, less faithful.
@@ -46,7 +47,7 @@ from quasar.engine import w8a8_verifier
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.models.config import ModelConfig
-from quasar.models.gguf import int4_group_readers
+from quasar.models.gguf import int4_group_readers, q6k_readers
 from quasar.models.hf import build_model, load_hf_dir
 from quasar.models.llama import Transformer
 from quasar.models.loader import gguf_file
@@ -59,6 +60,7 @@ from quasar.quant.w4a8_checkpoint import EXACT_HEAD, REFINED_HEAD, w4a8_config_o
 from quasar.quant.w4a8_checkpoint import FORMAT_VERSION as W4A8_FORMAT_VERSION
 from quasar.quant.w4a8_layouts import FAITHFUL, SMALL, check_layout
 from quasar.runtime.exact_head import ExactTopHead
+from quasar.runtime.q6k_linear import Q6KLinear
 from quasar.runtime.refined_head import DEFAULT_TOP_K, RefinedHead
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
@@ -68,8 +70,9 @@ from quasar.runtime.w4a8_numerics import fit_weight_w4_affine
 # What build_w4a8 makes of a GGUF, per layout, named in the cache key: change it when a recipe
 # changes, so old cache entries are not taken for the new verifier.
 RECIPES = {
-    FAITHFUL: "gguf-int4-groups, wider layer tensors int8 with 15-bit activations, int8 head (15-bit) with its "
-              "top-k exact in float64, Q4_K's own params else float16 group params, v6",
+    FAITHFUL: "gguf-int4-groups, Q6_K tensors and head as stored, other wider tensors int8 with 15-bit "
+              "activations, int8 head (15-bit) unless Q6_K, head top-k exact in float64, Q4_K's own params else "
+              "float16 group params, v7",
     SMALL: "gguf-int4-groups, wider layer tensors fitted to int4 groups, 4-bit head refined by int8, Q4_K's own "
            "params else float16 group params, v5",
 }
@@ -197,6 +200,7 @@ def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool
     cfg, faithful = loaded.config, check_layout(layout) == FAITHFUL
     source = SafetensorsSource(loaded.weights_dir())
     groups = gguf_int4_groups(gguf_source(loaded), cfg)
+    six = q6k_readers(gguf_source(loaded), cfg) if faithful else {}  # streamed as stored
     sink({"model.embed_tokens.weight": source.get("model.embed_tokens.weight").float()})
     wide = False  # whether any layer tensor stays int8 (the config records their activations)
     with torch.no_grad():  # not inference_mode: the tensors become a model's parameters
@@ -204,17 +208,22 @@ def _w4a8_parts(loaded, sink: Callable[[dict], None], info: dict, progress: bool
                       disable=not progress, leave=False):
             layer = float_layer(source, cfg, i)
             for name in _linear_names(layer):
-                found = groups.pop(f"model.layers.{i}.{name}.weight", None)
-                _set(layer, name, _layer_linear(layer.get_submodule(name), found, faithful))
-                wide = wide or found is None
+                key = f"model.layers.{i}.{name}.weight"
+                found, blocks = groups.pop(key, None), six.pop(key, None)
+                new = _layer_linear(layer.get_submodule(name), found, faithful, blocks)
+                _set(layer, name, new)
+                wide = wide or isinstance(new, Int8Linear)
             sink({f"model.layers.{i}.{n}": t for n, t in layer.state_dict().items()})
             del layer
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in source
         # the stored (memory-mapped) weight as it is: the quantizers widen it a block at a time
         weight = source.get("model.embed_tokens.weight" if tied else "lm_head.weight")
         top_k = min(HEAD_TOP_K, weight.shape[0])  # a vocabulary smaller than that: every logit exact
-        if faithful:  # a tied head reads its exact rows from the embedding table, stored once
-            head: nn.Module = ExactTopHead.from_float(weight, top_k, tied=tied)
+        blocks = six.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        if faithful and blocks is not None and weight.shape[1] % 256 == 0:  # the file's Q6_K head as it is
+            head: nn.Module = ExactTopHead.from_q6k(blocks(), weight, top_k, tied=tied)
+        elif faithful:  # a tied head reads its exact rows from the embedding table, stored once
+            head = ExactTopHead.from_float(weight, top_k, tied=tied)
         else:  # untied: the embedding stays float
             head = RefinedHead.from_float(weight, top_k, GROUP)
         sink({"model.norm.weight": source.get("model.norm.weight").float(),
@@ -232,13 +241,17 @@ def _linear_names(layer: nn.Module) -> list[str]:
     return [name for name, m in layer.named_modules() if isinstance(m, nn.Linear)]
 
 
-def _layer_linear(linear: nn.Linear, groups: Callable[[], tuple] | None, faithful: bool) -> nn.Module:
+def _layer_linear(linear: nn.Linear, groups: Callable[[], tuple] | None, faithful: bool,
+                  q6k: Callable[[], tuple] | None = None) -> nn.Module:
     """A decoder linear of the W4A8 model: the file's own 4-bit groups where it has them; a
-    tensor the file keeps wider stays int8 (faithful) or is fitted to 4-bit groups (small)."""
+    tensor the file keeps wider stays at its precision (faithful: a Q6_K matrix as its blocks,
+    any other int8) or is fitted to 4-bit groups (small)."""
     if groups is not None:
         q, scale, offset, q4k = groups()
         if q4k is not None:  # a Q4_K matrix streams its own two-level parameters
             return W4A8Linear.from_q4k(q, *q4k, linear.bias)
+    elif faithful and q6k is not None and linear.in_features % 256 == 0:
+        return Q6KLinear.from_blocks(*q6k(), linear.bias)
     elif faithful:
         return Int8Linear.from_float(linear, act_bits=WIDE_ACT_BITS)
     else:

@@ -353,6 +353,15 @@ def pack_w4_q4k(q: torch.Tensor, scale_codes: torch.Tensor, offset_codes: torch.
     return torch.ops.quasar_quant.w4_pack_q4k(q, scale_codes, offset_codes, super_scales, super_offsets)
 
 
+def pack_w4_q6k(q: torch.Tensor, sub_scales: torch.Tensor, super_scales: torch.Tensor) -> torch.Tensor | None:
+    """A Q6_K file's 6-bit weights as stored (q [N, K] in [0, 63], K a multiple of 256; int8
+    scales [N, K / 16]; float16 d [N, K / 256]; w = d * s * (q - 32)) in the op's Q6_K form
+    (w4a8_numerics.Q6K_FORM), or None without the library."""
+    if int8_linear_op() is None:
+        return None
+    return torch.ops.quasar_quant.w4_pack_q6k(q, sub_scales, super_scales)
+
+
 def w4a8_linear_op() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.quasar_quant.w4a8_linear`` (x float [..., K], packed (:func:`pack_w4`), N, K,
     group, bias [N] or None) -> float32 [..., N], bitwise ``w4a8_numerics.reference_linear_w4a8``
@@ -620,7 +629,7 @@ def _w4_mismatch(path: str) -> str:
 
 def _w4_q4k_mismatch(path: str, gen: torch.Generator) -> str:
     """The same for the Q4_K form (superblock codes, the largest code values included)."""
-    from quasar.runtime.w4a8_numerics import Q4K_FORM, q4k_group_params, reference_linear_w4a8
+    from quasar.runtime.w4a8_numerics import Q4K_FORM, q4k_group_params, reference_linear_w4a8  # lazy: as above
 
     n, k = 19, 512
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
@@ -634,4 +643,25 @@ def _w4_q4k_mismatch(path: str, gen: torch.Generator) -> str:
         got = torch.ops.quasar_quant.w4a8_linear(x, packed, n, k, Q4K_FORM, None, path)
         if not torch.equal(got, reference_linear_w4a8(x, q, scales, offsets, None, 32)):
             return f"Q4_K form, N={n}, K={k}, M={m}"
+    return _w4_q6k_mismatch(path, gen)
+
+
+def _w4_q6k_mismatch(path: str, gen: torch.Generator) -> str:
+    """The same for the Q6_K form (6-bit values 63 against activations at +-127, int8 scales
+    at both ends, sums past 2**24)."""
+    from quasar.runtime.w4a8_numerics import Q6K_FORM, reference_linear_q6k  # lazy: as above
+
+    n, k = 19, 512
+    q = torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8)
+    q[0] = 63
+    sub = torch.randint(-128, 128, (n, k // 16), generator=gen, dtype=torch.int8)
+    sub[0] = 127
+    d = (torch.rand(n, k // 256, generator=gen) / 100).half()
+    packed = torch.ops.quasar_quant.w4_pack_q6k(q, sub, d)
+    for m in (1, 5):
+        x = torch.randn(m, k, generator=gen)
+        x[0] = 1.0  # q = 127 against weights 63: T beyond 2**24
+        got = torch.ops.quasar_quant.w4a8_linear(x, packed, n, k, Q6K_FORM, None, path)
+        if not torch.equal(got, reference_linear_q6k(x, q, sub, d, None)):
+            return f"Q6_K form, N={n}, K={k}, M={m}"
     return ""

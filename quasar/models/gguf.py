@@ -39,7 +39,7 @@ from quasar.cache.keys import file_key
 from quasar.errors import QuasarError
 from quasar.fileio import atomic_dir
 from quasar.models.config import MODEL_TYPES, ModelConfig
-from quasar.models.gguf_groups import int4_groups, is_int4_type, q4k_codes
+from quasar.models.gguf_groups import int4_groups, is_int4_type, q4k_codes, q6k_blocks
 from quasar.models.hf_files import check_manifest
 from quasar.models.layouts import split_tensor
 from quasar.paths import cache_dir
@@ -405,16 +405,30 @@ def int4_group_readers(path: Path, cfg: ModelConfig) -> dict[str, Callable[[], t
     parameters (a Q4_K matrix's superblock factors) then round: close to the float weight, not
     bit for bit. Each is unpacked only
     when asked for, so a build holds one at a time."""
+    return _matrix_readers(path, cfg, is_int4_type, _read_groups)
+
+
+def q6k_readers(path: Path, cfg: ModelConfig) -> dict[str, Callable[[], tuple]]:
+    """The same for every Q6_K matrix: functions giving (q uint8 [out, in] in [0, 63], int8
+    scales [out, in / 16], float16 d [out, in / 256]) (gguf_groups.q6k_blocks); a row gain is
+    folded into d, rounded to float16."""
+    return _matrix_readers(path, cfg, lambda kind: kind == QuantType.Q6_K, _read_q6k)
+
+
+def _matrix_readers(path: Path, cfg: ModelConfig, accept: Callable,
+                    read: Callable) -> dict[str, Callable[[], tuple]]:
+    """{Llama-layout name: functools.partial(read, t, cfg, expert, take, gain)} for every
+    matrix of `path` whose type `accept`s."""
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
     out: dict[str, Callable[[], tuple]] = {}
     for t in reader.tensors:
-        if len(t.shape) < 2 or not is_int4_type(t.tensor_type):
+        if len(t.shape) < 2 or not accept(t.tensor_type):
             continue
         rows = int(t.shape[1])
         for name, expert in _hf_parts(t, path, arch):
             for target, take, gain in _row_maps(cfg, name, rows):
-                out[target] = functools.partial(_read_groups, t, cfg, expert, take, gain)
+                out[target] = functools.partial(read, t, cfg, expert, take, gain)
     return out
 
 
@@ -434,6 +448,28 @@ def _row_maps(cfg: ModelConfig, name: str, rows: int) -> list[tuple[str, torch.T
     return out
 
 
+def _float_rows(t, cfg: ModelConfig, take: torch.Tensor | None, arrays: list) -> list[torch.Tensor]:
+    """Arrays of a stored matrix's rows (its blocks' parts) in the rows of the float model:
+    llama.cpp's Q/K permutation undone, then the rows a split takes."""
+    role = t.name.split(".")[2:3]
+    if cfg.model_type in PERMUTED_QK and role in (["attn_q"], ["attn_k"]):
+        heads = cfg.num_heads if role == ["attn_q"] else cfg.num_kv_heads
+        arrays = [_unpermute(a, heads) for a in arrays]
+    arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    if take is not None:
+        arrays = [a[take] for a in arrays]
+    return [a.contiguous() for a in arrays]
+
+
+def _read_q6k(t, cfg: ModelConfig, expert: int | None, take: torch.Tensor | None,
+              gain: torch.Tensor | None) -> tuple:
+    data = t.data if expert is None else t.data[expert]
+    q, scales, d = _float_rows(t, cfg, take, list(q6k_blocks(data, tuple(int(n) for n in reversed(t.shape))[-2:])))
+    if gain is not None:
+        d = (d.float() * gain).half()
+    return q, scales, d
+
+
 def _read_groups(t, cfg: ModelConfig, expert: int | None, take: torch.Tensor | None,
                  gain: torch.Tensor | None) -> tuple:
     data = t.data if expert is None else t.data[expert]
@@ -442,14 +478,7 @@ def _read_groups(t, cfg: ModelConfig, expert: int | None, take: torch.Tensor | N
     q4k = t.tensor_type == QuantType.Q4_K  # its own two-level parameters too
     if q4k:
         arrays += q4k_codes(data, shape)
-    role = t.name.split(".")[2:3]
-    if cfg.model_type in PERMUTED_QK and role in (["attn_q"], ["attn_k"]):
-        heads = cfg.num_heads if role == ["attn_q"] else cfg.num_kv_heads
-        arrays = [_unpermute(a, heads) for a in arrays]
-    arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-    if take is not None:
-        arrays = [a[take] for a in arrays]
-    q, scale, offset, *codes = (a.contiguous() for a in arrays)
+    q, scale, offset, *codes = _float_rows(t, cfg, take, arrays)
     if gain is not None:  # in the Q4_K form the superblock factors carry it, rounded to float16
         scale, offset = scale * gain, offset * gain
         if q4k:

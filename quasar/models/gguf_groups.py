@@ -88,6 +88,22 @@ def q4k_codes(data: np.ndarray, shape: tuple[int, int]):
     return (sc.astype(np.uint8).reshape(rows, cols // 32), mn.astype(np.uint8).reshape(rows, cols // 32), d, m)
 
 
+def q6k_blocks(data: np.ndarray, shape: tuple[int, int]):
+    """A Q6_K matrix as stored, for the W4A8 Q6_K form: (q uint8 [rows, cols] in [0, 63], int8
+    scales [rows, cols / 16], float16 d [rows, cols / 256]); w = d * s * (q - 32), what the
+    `gguf` package's dequantizer computes. A block of 256: 128 bytes of low nibbles (two 64-byte
+    halves, each 64 weights low then 64 high), 64 bytes of high bit pairs (two 32-byte halves,
+    each 4 x 32 weights at shifts 0, 2, 4, 6), 16 scales, d."""
+    rows, cols = shape
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows * cols // 256, 210)
+    low = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+    high = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low.reshape(-1, 256) | high.reshape(-1, 256) << 4).reshape(rows, cols)
+    scales = b[:, 192:208].copy().view(np.int8).reshape(rows, cols // 16)
+    d = b[:, 208:210].copy().view(np.float16).reshape(rows, cols // 256)
+    return q, scales, d
+
+
 def _nibbles(qs: np.ndarray, rows: int, cols: int, span: int) -> np.ndarray:
     """Unpack nibble bytes [rows, chunks, span / 2]: within each chunk of `span` weights the
     low nibbles are the first half, the high nibbles the second (Q4_0/Q4_1: a 32-weight

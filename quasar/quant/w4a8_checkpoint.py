@@ -9,6 +9,9 @@ loader's strict state-dict load checks every tensor:
   (w = scale * q + offset), ``NAME.bias`` where the layer has one; in the Q4_K form (version 2)
   ``NAME.scales`` and ``NAME.offsets`` are uint8 codes and ``NAME.super_scales`` and
   ``NAME.super_offsets`` float16 [out, in / 256] (scale = super_scale * code);
+- a Q6_K layer (``Q6KLinear``, version 2; also an exact head's ``lm_head.approx``): ``NAME.qweight``
+  uint8 [out, in] (6-bit values), ``NAME.scales`` int8 [out, in / 16], ``NAME.super_scales``
+  float16 [out, in / 256];
 - an 8-bit layer (``Int8Linear``: a float model's output head; in older checkpoints of the
   same format version, also a Q4_K_M file's Q6_K tensors and the GGUF's head): ``NAME.weight``
   int8 [out, in] and ``NAME.weight_scale`` float32 [out, 1], as W8A8's;
@@ -40,6 +43,7 @@ from quasar.models.llama import Transformer
 from quasar.quant.checkpoint import _state_tensors, _write_one_shard
 from quasar.runtime import fused_step
 from quasar.runtime.exact_head import ExactTopHead
+from quasar.runtime.q6k_linear import Q6KLinear
 from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.w8a8_numerics import ACT_BITS
 from quasar.runtime.refined_head import RefinedHead
@@ -47,7 +51,7 @@ from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w4a8_numerics import GROUP_SIZES, SCALE_DTYPE
 
 QUANT_METHOD = "quasar-w4a8"
-FORMAT_VERSION = 2  # 2: a layer may be in the Q4_K form
+FORMAT_VERSION = 2  # 2: a layer may be in the Q4_K or the Q6_K form
 READ_VERSIONS = (1, 2)
 REFINED_HEAD = "w4a8-refined-int8"  # quantization_config's lm_head for a RefinedHead
 EXACT_HEAD = "int8-exact-top"  # ... and for an ExactTopHead
@@ -142,11 +146,20 @@ def _exact_head(model: Transformer, head: nn.Linear, quant_config: dict, tensors
     tied = quant_config.get("head_tied")
     if not isinstance(tied, bool):
         raise QuasarError(f"W4A8 checkpoint: an exact lm_head needs head_tied true or false, got {tied!r}")
-    _expect(tensors, "lm_head.approx.weight", torch.int8)
+    q6k = "lm_head.approx.qweight" in tensors
+    if q6k:
+        _expect_q6k(tensors, "lm_head.approx")
+    else:
+        _expect(tensors, "lm_head.approx.weight", torch.int8)
     if not tied:
         _expect(tensors, "lm_head.exact.weight", torch.float32)
     return ExactTopHead(head.in_features, head.out_features, _head_top_k(quant_config),
-                        tied=model.model.embed_tokens if tied else None, device="meta")
+                        tied=model.model.embed_tokens if tied else None, device="meta", q6k=q6k)
+
+
+def _expect_q6k(tensors: dict, name: str) -> None:
+    for part, dtype in (("qweight", torch.uint8), ("scales", torch.int8), ("super_scales", SCALE_DTYPE)):
+        _expect(tensors, f"{name}.{part}", dtype)
 
 
 def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) -> int:
@@ -160,12 +173,14 @@ def prepare_w4a8_modules(model: Transformer, quant_config: dict, tensors: dict) 
         if not isinstance(module, nn.Linear):
             continue
         bias = module.bias is not None
-        if name == "lm_head" and "lm_head.approx.qweight" in tensors:
+        if name == "lm_head" and quant_config.get("lm_head") == EXACT_HEAD:
+            new: nn.Module = _exact_head(model, module, quant_config, tensors)
+        elif name == "lm_head" and "lm_head.approx.qweight" in tensors:
             _expect(tensors, "lm_head.exact.weight", torch.int8)
-            new: nn.Module = RefinedHead(module.in_features, module.out_features, _head_top_k(quant_config),
-                                         group, device="meta")
-        elif name == "lm_head" and quant_config.get("lm_head") == EXACT_HEAD:
-            new = _exact_head(model, module, quant_config, tensors)
+            new = RefinedHead(module.in_features, module.out_features, _head_top_k(quant_config), group, device="meta")
+        elif f"{name}.qweight" in tensors and f"{name}.offsets" not in tensors:
+            _expect_q6k(tensors, name)
+            new = Q6KLinear(module.in_features, module.out_features, bias, device="meta")
         elif f"{name}.qweight" in tensors:
             _expect(tensors, f"{name}.qweight", torch.uint8)
             q4k = f"{name}.super_scales" in tensors

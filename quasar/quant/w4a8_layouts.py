@@ -2,7 +2,8 @@
 
 - ``faithful`` (the default, ``--verifier w4a8``): a tensor the file keeps wider than 4 bits
   (Q5_K, Q6_K, Q8_0, F16: in a Q4_K_M file half of the value and down projections and the
-  head) stays int8 with 15-bit activations, never refitted to 4 bits, and the head's likeliest
+  head) stays at its precision, never refitted to 4 bits: Q6_K as its own 6-bit blocks, the
+  others int8 with 15-bit activations; and the head's likeliest
   logits are recomputed from the float weights (quasar.runtime.exact_head). A float model keeps
   the same tensors int8 that llama.cpp's Q4_K_M keeps in 6 bits (``keeps_wider``).
 - ``small`` (``--verifier w4a8-small``): those tensors fitted to 4-bit groups and a 4-bit head

@@ -2,7 +2,8 @@
 likeliest recomputed from the file's own weights.
 
 A step streams the head as an ``Int8Linear`` with 15-bit activations (its int8 per-channel
-weights are at least as fine as the file's 6- or 8-bit blocks). Per-token rounding of the
+weights are at least as fine as the file's 6- or 8-bit blocks), or, where the file keeps it in
+Q6_K, as those blocks themselves (``Q6KLinear``: the file's precision, 6.5625 bits a weight). Per-token rounding of the
 final hidden state still moves the logits that decide the next token, so each row's
 ``top_k`` largest logits are recomputed from the float weights of those tokens (the float
 model's own, i.e. the GGUF's values dequantized) and the unrounded hidden state, summed in
@@ -15,7 +16,7 @@ one dot product over a contiguous row in a fixed order, rounded to float32: the 
 row is verified alone or with drafts, so greedy speculative decoding still equals greedy
 decoding of the same verifier.
 
-State: ``approx`` (Int8Linear, 15-bit activations) and ``exact.weight`` (float32 [vocab,
+State: ``approx`` (Int8Linear, 15-bit activations, or Q6KLinear) and ``exact.weight`` (float32 [vocab,
 hidden]; a tied head stores none and reads the embedding module's table, ``TiedRows``).
 """
 
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
+from quasar.runtime.q6k_linear import Q6KLinear
 from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.w8a8_numerics import quantize_weight
 
@@ -63,13 +65,15 @@ class TiedRows(nn.Module):
 
 class ExactTopHead(nn.Module):
     def __init__(self, in_features: int, out_features: int, top_k: int = DEFAULT_TOP_K,
-                 tied: nn.Embedding | None = None, device: torch.device | str | None = None) -> None:
+                 tied: nn.Embedding | None = None, device: torch.device | str | None = None,
+                 q6k: bool = False) -> None:
         super().__init__()
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= out_features:
             raise QuasarError(f"the exact head's top_k must be an integer in [1, {out_features}], got {top_k!r}")
         self.in_features, self.out_features, self.top_k = in_features, out_features, top_k
         self.tied = tied is not None
-        self.approx = Int8Linear(in_features, out_features, bias=False, device=device, act_bits=HEAD_ACT_BITS)
+        self.approx = Q6KLinear(in_features, out_features, device=device) if q6k else \
+            Int8Linear(in_features, out_features, bias=False, device=device, act_bits=HEAD_ACT_BITS)
         self.exact = TiedRows(tied) if self.tied else \
             RowTable(torch.empty(out_features, in_features, dtype=torch.float32, device=device))
 
@@ -88,6 +92,19 @@ class ExactTopHead(nn.Module):
             head.tied, head.exact = True, TiedRows(None if tied is True else tied)
         else:
             head.exact = RowTable(weight.float())
+        return head
+
+    @classmethod
+    def from_q6k(cls, blocks: tuple, weight: Tensor, top_k: int = DEFAULT_TOP_K,
+                 tied: nn.Embedding | bool = False) -> "ExactTopHead":
+        """The head of a Q6_K file's matrix: the approximate logits from its own 6-bit blocks
+        (``blocks``: q, scales, d as quasar.models.gguf.q6k_readers gives them) instead of an
+        int8 copy; `weight` (its dequantized float rows) and ``tied`` as ``from_float``."""
+        out_features, in_features = weight.shape
+        head = cls(in_features, out_features, top_k, device="meta", q6k=True)
+        head.approx = Q6KLinear.from_blocks(*blocks)
+        head.tied, head.exact = (True, TiedRows(None if tied is True else tied)) if tied is not False else \
+            (False, RowTable(weight.float()))
         return head
 
     def forward(self, x: Tensor) -> Tensor:

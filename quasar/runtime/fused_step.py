@@ -276,7 +276,7 @@ def _experts_args(mlp: SparseMoE, plan: _Plan) -> bool:
 def _shared_input_agrees(linears: list) -> bool:
     """Linears sharing an input agree on its quantization (one form per kind)."""
     return len({m.act_bits for m in linears if isinstance(m, Int8Linear)}) <= 1 and \
-        len({m.form for m in linears if isinstance(m, W4A8Linear)}) <= 1
+        len({m.group for m in linears if isinstance(m, W4A8Linear)}) <= 1
 
 
 def _linear_args(m: nn.Module | None, plan: _Linears, watch: list) -> bool:
@@ -375,8 +375,8 @@ def _w4a8_args(m: W4A8Linear, plan: _Linears, watch: list) -> bool:
     plan.biases.append(b)
     plan.w4.append(packing[1])
     plan.w4_groups.append(m.form)
-    watch += [(m._buffers, name, m._buffers[name]) for name in ("qweight", "scales", "offsets", "bias")]
-    watch += [(m.__dict__, "_kernel_packing", packing), (m.__dict__, "group", m.group), (m.__dict__, "q4k", m.q4k)]
+    watch += [(m._buffers, name, t) for name, t in m._buffers.items()]
+    watch += [(m.__dict__, "_kernel_packing", packing), (m.__dict__, "group", m.group)]
     return True
 
 

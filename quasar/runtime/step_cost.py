@@ -45,7 +45,6 @@ from quasar.models.rows import Rows
 from quasar.models.moe import sparse_blocks
 from quasar.paths import cache_dir
 from quasar.runtime.w4a8 import W4A8Linear
-from quasar.runtime.w4a8_numerics import w4_weight_bytes
 from quasar.runtime.w8a8 import Int8Linear
 
 __all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "expected_experts", "expert_row_cost",
@@ -96,7 +95,7 @@ VNNI_PASS_ROWS = 6
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of `model`'s quantized weights, what a step of a dense model streams: every
     Int8Linear's in x out, every W4A8Linear's in x out / 2 and its groups' scales and offsets
-    (float16, or the Q4_K form's codes and superblock factors). A mixture-of-experts step reads fewer: see step_bytes."""
+    (float16, or the Q4_K form's codes and superblock factors; a Q6_K layer's 6.5625 bits). A mixture-of-experts step reads fewer: see step_bytes."""
     total = 0
     for m in model.modules():
         if not getattr(m, "streamed", True):  # read a few rows a step (a RefinedHead's int8 head)
@@ -104,7 +103,7 @@ def weight_bytes(model: nn.Module) -> int:
         if isinstance(m, Int8Linear):
             total += m.in_features * m.out_features
         elif isinstance(m, W4A8Linear):
-            total += w4_weight_bytes(m.out_features, m.in_features, m.group, q4k=m.q4k)
+            total += m.step_bytes()
     return total
 
 

@@ -21,7 +21,8 @@ from quasar.errors import QuasarError
 from quasar.kernels import ext
 from quasar.runtime.w4a8_numerics import (GROUP_SIZES, Q4K_FORM, Q4K_SUPER, SCALE_DTYPE, as_group_params,
                                         dequantize_w4, n_groups, pack_int4, q4k_group_params, quantize_weight_w4,
-                                        reference_linear_w4a8, symmetric_as_affine, unpack_int4)
+                                        reference_linear_w4a8, symmetric_as_affine, unpack_int4,
+                                        w4_weight_bytes)
 
 __all__ = ["W4A8Linear"]
 
@@ -54,6 +55,15 @@ class W4A8Linear(nn.Module):
     def form(self) -> int:
         """The kernels' name for this weight's layout: its group size, or Q4K_FORM."""
         return Q4K_FORM if self.q4k else self.group
+
+    def stored(self) -> list[Tensor]:
+        """The buffers the op's packing is made from (not the bias)."""
+        return [self.qweight, self.scales, self.offsets] + ([self.super_scales, self.super_offsets]
+                                                           if self.q4k else [])
+
+    def step_bytes(self) -> int:
+        """What a step streams of this weight (the op's packing, padding lanes aside)."""
+        return w4_weight_bytes(self.out_features, self.in_features, self.group, q4k=self.q4k)
 
     def group_params(self) -> tuple[Tensor, Tensor]:
         """Scales and offsets [out, groups] as the kernels use them (float16, or the Q4_K
@@ -116,8 +126,7 @@ class W4A8Linear(nn.Module):
         op = ext.w4a8_linear_op() if self.in_features % self.group == 0 else None  # the op takes whole groups
         if op is None:
             return None
-        stored = [self.qweight, self.scales, self.offsets] + ([self.super_scales, self.super_offsets]
-                                                              if self.q4k else [])
+        stored = self.stored()
         key = tuple(t.data_ptr() for t in stored)
         if self._kernel_packing is None or self._kernel_packing[0] != key:
             q = unpack_int4(self.qweight, self.in_features)

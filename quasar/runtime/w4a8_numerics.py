@@ -53,6 +53,10 @@ GROUP_SIZES = (32, 64, 128)  # the candidates issue #34 names; chosen by measuri
 # in float32), streamed as they are stored (4.625 bits a weight). The kernels' form code.
 Q4K_FORM = 32 | 256
 Q4K_SUPER = 8
+# The Q6_K form: a Q6_K file's 6-bit weights as stored, w = d * s * (q - 32), q in [0, 63], an
+# int8 s per 16 columns and a float16 d per 256 (6.5625 bits a weight): reference_linear_q6k.
+Q6K_FORM = 32 | 512
+Q6K_SUB = 16
 W4A8_GROUP = 32  # the verifier's: GGUF's 4-bit blocks hold groups of 32, float models use the same
 INT4_MAX = 7
 SCALE_DTYPE = torch.float16  # the stored scales and offsets; the epilogue widens them exactly
@@ -259,6 +263,35 @@ def reference_linear_w4a8(x: Tensor, q: Tensor, scales: Tensor, offsets: Tensor,
     fixed-order epilogue. What every W4A8 kernel must reproduce bit for bit."""
     qx, sx = quantize_activation_groups(x, group)
     return scale_output_w4(group_sums(qx, q, group), activation_group_sums(qx, group), sx, scales, offsets, bias)
+
+
+def reference_linear_q6k(x: Tensor, q: Tensor, sub_scales: Tensor, super_scales: Tensor,
+                         bias: Tensor | None) -> Tensor:
+    """The Q6_K form's numbers (float32 [M, N]) for x [M, K], q [N, K] in [0, 63], int8
+    sub_scales [N, K / 16], float16 super_scales [N, K / 256]: activations int8 per row and
+    group of 32 as above; per group the exact sums S_a, S_b of q * q_x over its two halves and
+    X_a, X_b of q_x; T = s_a (S_a - 32 X_a) + s_b (S_b - 32 X_b) (exact, int32 in the kernels);
+    acc = acc + (float32(T) * sx) * d group by group (float32(T) rounds to nearest even)."""
+    m, k = x.shape
+    n = q.shape[0]
+    qx, sx = quantize_activation_groups(x.float(), 32)
+    halves = k // Q6K_SUB
+    xq = qx.to(torch.int64).view(m, halves, Q6K_SUB)
+    w = q.to(torch.int64).view(n, halves, Q6K_SUB)
+    sums = torch.einsum("mhk,nhk->mnh", xq.double(), w.double()).to(torch.int64)  # exact: below 2**53
+    centred = sums - 32 * xq.sum(dim=2)[:, None, :]
+    t = (centred * sub_scales.to(torch.int64)[None]).view(m, n, halves // 2, 2).sum(dim=3)
+    d = super_scales.float().repeat_interleave(Q4K_SUPER, dim=1)  # [N, G]
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for g in range(k // 32):
+        acc = acc + (t[:, :, g].float() * sx[:, g:g + 1].float()) * d[:, g][None]
+    return acc if bias is None else acc + bias.float()
+
+
+def dequantize_q6k(q: Tensor, sub_scales: Tensor, super_scales: Tensor) -> Tensor:
+    """float32 weights d * s * (q - 32), as GGUF's Q6_K dequantizer gives them."""
+    scale = super_scales.float().repeat_interleave(Q6K_SUB, dim=1) * sub_scales.float()
+    return (scale.repeat_interleave(Q6K_SUB, dim=1) * (q.float() - 32))
 
 
 def pack_int4(q: Tensor) -> Tensor:

@@ -15,6 +15,7 @@ import torch
 from quasar.runtime.w4a8_numerics import reference_linear_w4a8
 
 W4_PATHS = ("portable", "avx2", "avx-vnni", "avx512-vnni")  # amx runs the avx512-vnni kernel
+FORM_ERROR = r"group size must be 32, 64 or 128 \(or the Q4_K or Q6_K form, 288 or 544\), "
 
 
 @pytest.fixture(scope="module")
@@ -158,13 +159,54 @@ def test_q4k_form_bitwise_equal_to_reference(w4_path, k: int) -> None:
             assert torch.equal(w4_path(x[:rows], packed, n, k, Q4K_FORM, b), want[:rows]), (rows, b is not None)
 
 
+@pytest.mark.parametrize("k", [256, 1536])
+def test_q6k_form_bitwise_equal_to_reference(w4_path, k: int) -> None:
+    """The Q6_K form (a Q6_K file's 6-bit values, int8 scales per 16, float16 d per 256) gives
+    reference_linear_q6k's bits for every row count, a padded last vector and the extremes
+    (values 63 and 0 against activations at +-127, scales -128 and 127: sums past 2**24), and
+    its packing streams 6.5625 bits a weight."""
+    from quasar.kernels import ext
+    from quasar.runtime.w4a8_numerics import Q6K_FORM, reference_linear_q6k
+
+    gen = torch.Generator().manual_seed(k + 6)
+    n = 37
+    q = torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8)
+    q[0], q[1] = 63, 0
+    sub = torch.randint(-128, 128, (n, k // 16), generator=gen, dtype=torch.int8)
+    sub[0], sub[1] = 127, -128
+    d = (torch.rand(n, k // 256, generator=gen) / 100).half()
+    packed = ext.pack_w4_q6k(q, sub, d)
+    assert packed.numel() == 3 * 16 * k * 6.5625 / 8
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(17, k, generator=gen) * torch.logspace(-3, 3, 17)[:, None]
+    x[0], x[1] = 1.0, -1.0  # q = +-127 everywhere
+    x[2] = 0.0
+    for b in (bias, None):
+        want = reference_linear_q6k(x, q, sub, d, b)
+        for rows in (1, 2, 3, 4, 5, 16, 17):
+            assert torch.equal(w4_path(x[:rows], packed, n, k, Q6K_FORM, b), want[:rows]), (rows, b is not None)
+
+
+def test_q6k_form_errors_name_the_problem(w4_op) -> None:
+    from quasar.kernels import ext
+
+    q = torch.randint(0, 64, (16, 256), dtype=torch.uint8)
+    sub, d = torch.ones(16, 16, dtype=torch.int8), torch.ones(16, 1).half()
+    with pytest.raises(RuntimeError, match=r"multiple of the superblock \(256\)"):
+        ext.pack_w4_q6k(q[:, :128], sub[:, :8], d)
+    with pytest.raises(RuntimeError, match="sub-block scales must be an int8 CPU tensor, got Byte"):
+        ext.pack_w4_q6k(q, sub.to(torch.uint8), d)
+    with pytest.raises(RuntimeError, match="6-bit values 0..63"):
+        ext.pack_w4_q6k(q + 64, sub, d)
+
+
 def test_q4k_form_errors_name_the_problem(w4_op) -> None:
     from quasar.kernels import ext
     from quasar.runtime.w4a8_numerics import Q4K_FORM
 
     gen = torch.Generator().manual_seed(1)
     q, c, o, d, m = _q4k_weights(gen, 16, 256)
-    with pytest.raises(RuntimeError, match=r"multiple of the Q4_K superblock \(256\)"):
+    with pytest.raises(RuntimeError, match=r"multiple of the superblock \(256\)"):
         ext.pack_w4_q4k(q[:, :128], c[:, :4], o[:, :4], d, m)
     with pytest.raises(RuntimeError, match="scale codes must be a uint8 CPU tensor, got Half"):
         ext.pack_w4_q4k(q, c.half(), o, d, m)
@@ -172,9 +214,9 @@ def test_q4k_form_errors_name_the_problem(w4_op) -> None:
         ext.pack_w4_q4k(q, c, o, d, m[:8])
     with pytest.raises(RuntimeError, match="found one outside"):
         ext.pack_w4_q4k(q + 16, c, o, d, m)
-    with pytest.raises(RuntimeError, match="the Q4_K form is packed by w4_pack_q4k"):
+    with pytest.raises(RuntimeError, match="the Q4_K and Q6_K forms are packed by"):
         ext.pack_w4(q, c.half(), o.half(), Q4K_FORM)
-    with pytest.raises(RuntimeError, match=r"group size must be 32, 64 or 128 \(or the Q4_K form, 288\), got 33"):
+    with pytest.raises(RuntimeError, match=FORM_ERROR + r"got 33"):
         w4_op(torch.randn(1, 256), ext.pack_w4_q4k(q, c, o, d, m), 16, 256, 33, None)
 
 
@@ -221,7 +263,7 @@ def test_packed_layout() -> None:
 def test_errors_name_the_problem(w4_op) -> None:
     gen = torch.Generator().manual_seed(3)
     q, scales, offsets = _weights(gen, 20, 128, 32)
-    with pytest.raises(RuntimeError, match=r"group size must be 32, 64 or 128 \(or the Q4_K form, 288\), got 48"):
+    with pytest.raises(RuntimeError, match=FORM_ERROR + r"got 48"):
         _pack(q, scales, offsets, 48)
     with pytest.raises(RuntimeError, match=r"K \(96\) must be a positive multiple of the group size \(64\)"):
         _pack(q[:, :96], scales[:, :1], offsets[:, :1], 64)
@@ -250,7 +292,7 @@ def test_errors_name_the_problem(w4_op) -> None:
         w4_op(x, packed[:-1], 20, 128, 32, None)
     with pytest.raises(RuntimeError, match="bias must have N = 20 elements, got 19"):
         w4_op(x, packed, 20, 128, 32, torch.zeros(19))
-    with pytest.raises(RuntimeError, match=r"group size must be 32, 64 or 128 \(or the Q4_K form, 288\), got 16"):
+    with pytest.raises(RuntimeError, match=FORM_ERROR + r"got 16"):
         w4_op(x, packed, 20, 128, 16, None)
 
 

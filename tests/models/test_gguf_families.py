@@ -22,6 +22,7 @@ from quasar.models.config import ModelConfig
 from quasar.models.hf import load_hf_dir, read_config
 from quasar.models.loader import load_model
 from quasar.models.moe import Router, SparseMoE
+from quasar.runtime.q6k_linear import Q6KLinear
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
 from tests.family_models import assert_speculative_matches_ar, make_family_model
@@ -141,12 +142,15 @@ Q4K_SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=16
 
 
 @pytest.mark.parametrize("family", ["mixtral", "phi3"])
-def test_a_q4_k_file_streams_its_own_two_level_parameters(tmp_path, monkeypatch, family):
-    """A Q4_K file at widths of whole superblocks: every matrix becomes a W4A8 layer in the Q4_K
-    form (the file's codes and float16 factors, 4.625 bits a weight), Mixtral's permuted Q/K
-    included, whose weights are the file's bit for bit; Phi-3's LongRoPE factor rounds into
-    the factors of q and k. The cache's checkpoint holds the same tensors. Through the fused
-    step, greedy drafting equals greedy decoding."""
+def test_a_q4_k_m_file_streams_its_own_blocks(tmp_path, monkeypatch, family):
+    """A Q4_K file with some tensors in Q6_K, as Q4_K_M keeps them, at widths of whole
+    superblocks: each Q4_K matrix becomes a W4A8 layer in the Q4_K form (the file's codes and
+    float16 factors, 4.625 bits a weight), each Q6_K one (layer 0's value and down
+    projections, experts included) a Q6KLinear of its 6-bit blocks, and the head's logits come
+    from its Q6_K blocks; their weights are the file's bit for bit (Mixtral's permuted Q/K
+    included), but Phi-3's q and k, whose LongRoPE factor rounds into their factors. The
+    cache's checkpoint holds the same tensors. Through the fused step, greedy drafting equals
+    greedy decoding."""
     overrides = dict(FAMILIES[family], **Q4K_SHAPES)
     if family == "mixtral":
         overrides["num_local_experts"] = 2
@@ -155,9 +159,18 @@ def test_a_q4_k_file_streams_its_own_two_level_parameters(tmp_path, monkeypatch,
     loaded = load_model(str(path))
     model = w4a8_verifier(loaded, cache=False)
     four = {n: m for n, m in model.model.named_modules() if isinstance(m, W4A8Linear)}
+    six = {n for n, m in four.items() if isinstance(m, Q6KLinear)}
     assert len(four) == {"mixtral": 2 * (4 + 2 * 3), "phi3": 2 * 7}[family]
+    downs = {f"layers.0.mlp.experts.{e}.down_proj" for e in range(2)} if family == "mixtral" else \
+        {"layers.0.mlp.down_proj"}
+    assert six == ({"layers.0.self_attn.v_proj"} if family == "mixtral" else set()) | downs
+    assert isinstance(model.lm_head.approx, Q6KLinear)
+    assert torch.equal(model.lm_head.approx.dequantized_weight(), loaded.model.lm_head.weight.float())
     for name, layer in four.items():
-        assert layer.q4k and layer.form == 32 | 256 and layer.super_scales.shape[1] == layer.in_features // 256
+        if name in six:
+            assert layer.form == 32 | 512 and layer.step_bytes() * 8 == layer.out_features * layer.in_features * 6.5625
+        else:
+            assert layer.q4k and layer.form == 32 | 256 and layer.super_scales.shape[1] == layer.in_features // 256
         want = loaded.model.model.get_submodule(name).weight.detach().float()
         if family == "phi3" and name.endswith(("q_proj", "k_proj")):
             assert torch.allclose(layer.dequantized_weight(), want, rtol=0, atol=2e-3 * float(want.abs().max()))
@@ -166,7 +179,9 @@ def test_a_q4_k_file_streams_its_own_two_level_parameters(tmp_path, monkeypatch,
     cached = w4a8_verifier(loaded)  # written to the cache as a checkpoint and loaded back
     for name, layer in four.items():
         back = cached.model.get_submodule(name)
-        assert back.q4k and all(torch.equal(t, back.state_dict()[n]) for n, t in layer.state_dict().items()), name
+        assert type(back) is type(layer) and back.form == layer.form, name
+        assert all(torch.equal(t, back.state_dict()[n]) for n, t in layer.state_dict().items()), name
+    assert isinstance(cached.lm_head.approx, Q6KLinear)
     fused = record_fused_steps(monkeypatch)
     assert_speculative_matches_ar(LLM(str(path), drafter="ngram", max_context=128), "w4a8", trees=False)
     if ext.decoder_layer_op() is not None and ext.w4a8_linear_op() is not None:

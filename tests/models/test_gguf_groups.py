@@ -56,3 +56,28 @@ def test_rows_that_are_not_whole_groups_are_refused() -> None:
 
     with pytest.raises(QuasarError, match="whole groups"):
         int4_groups(np.zeros((1, 18), dtype=np.uint8), T.Q4_0, (1, 48))
+
+
+def test_random_q4_k_and_q6_k_blocks_keep_their_stored_parameters() -> None:
+    """Random Q4_K blocks: the Q4_K form's codes and factors give int4_groups' scales and
+    offsets exactly. Random Q6_K blocks (d at their end): q6k_blocks' values, scales and d
+    give what the gguf package dequantizes, bit for bit."""
+    from quasar.models.gguf_groups import q4k_codes, q6k_blocks
+    from quasar.runtime.w4a8_numerics import dequantize_q6k, q4k_group_params
+
+    gen = np.random.default_rng(7)
+    rows, cols = 6, 512
+    data = _random_blocks(gen, rows * cols // 256, 144, 2).reshape(rows, -1)
+    _, scale, offset = int4_groups(data, T.Q4_K, (rows, cols))
+    c, o, d, m = (torch.from_numpy(a) for a in q4k_codes(data, (rows, cols)))
+    assert c.dtype == o.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16 and int(c.max()) <= 63
+    got_scale, got_offset = q4k_group_params(c, o, d, m)
+    assert torch.equal(got_scale, torch.from_numpy(scale)) and torch.equal(got_offset, torch.from_numpy(offset))
+
+    blocks = gen.integers(0, 256, size=(rows * cols // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = gen.uniform(-0.05, 0.05, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    data = blocks.reshape(rows, -1)
+    q, s, d = (torch.from_numpy(a) for a in q6k_blocks(data, (rows, cols)))
+    assert q.shape == (rows, cols) and int(q.max()) <= 63 and s.dtype == torch.int8 and d.shape == (rows, 2)
+    want = torch.from_numpy(dequantize(data, T.Q6_K).reshape(rows, cols).astype(np.float32))
+    assert torch.equal(dequantize_q6k(q, s, d), want)

@@ -241,3 +241,22 @@ def test_fitted_groups_beat_min_max_and_keep_a_4bit_grid(k: int, group: int) -> 
     on_grid = dequantize_w4(qg, d, group, m)
     q2, d2, m2 = fit_weight_w4_affine(on_grid, group)
     assert torch.equal(dequantize_w4(q2, d2, group, m2), on_grid)
+
+
+def test_the_q6k_reference_is_the_float_product_of_its_rounded_activations() -> None:
+    """reference_linear_q6k's integer sums are x's per-group int8 activations against the
+    dequantized Q6_K weight, exactly (up to the float32 epilogue's rounding)."""
+    from quasar.runtime.w4a8_numerics import dequantize_q6k, reference_linear_q6k
+
+    gen = torch.Generator().manual_seed(6)
+    n, k = 24, 512
+    q = torch.randint(0, 64, (n, k), generator=gen, dtype=torch.uint8)
+    sub = torch.randint(-128, 128, (n, k // 16), generator=gen, dtype=torch.int8)
+    d = (torch.rand(n, k // 256, generator=gen) / 100).half()
+    x, bias = torch.randn(5, k, generator=gen), torch.randn(n, generator=gen)
+    qx, sx = quantize_activation_groups(x, 32)
+    xq = (qx.double().view(5, -1, 32) * sx.double()[..., None]).view(5, k)
+    want = xq @ dequantize_q6k(q, sub, d).double().T + bias.double()
+    got = reference_linear_q6k(x, q, sub, d, bias)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

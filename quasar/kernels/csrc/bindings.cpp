@@ -33,6 +33,7 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.def("w4_pack_q4k(Tensor q, Tensor scale_codes, Tensor offset_codes, Tensor super_scales, Tensor super_offsets) -> "
         "Tensor",
         &w4_pack_q4k);
+  m.def("w4_pack_q6k(Tensor q, Tensor sub_scales, Tensor super_scales) -> Tensor", &w4_pack_q6k);
   m.def("w4a8_linear(Tensor x, Tensor packed, int N, int K, int group, Tensor? bias=None, str path=\"\") -> Tensor");
   m.impl("w4a8_linear", c10::DispatchKey::CPU, TORCH_FN(w4a8_linear));
   m.def("w4a8_kernel_path(str disable=\"\") -> str", &w4a8_kernel_path);

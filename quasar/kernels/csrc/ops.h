@@ -39,6 +39,7 @@ bool int8_onednn_exact(int64_t value);
 at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group);
 at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const at::Tensor& offset_codes,
                        const at::Tensor& super_scales, const at::Tensor& super_offsets);
+at::Tensor w4_pack_q6k(const at::Tensor& q, const at::Tensor& sub_scales, const at::Tensor& super_scales);
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t K, int64_t group,
                        const std::optional<at::Tensor>& bias, const std::string& path);
 std::string w4a8_kernel_path(const std::string& disable);

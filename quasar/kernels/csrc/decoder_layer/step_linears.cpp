@@ -39,19 +39,19 @@ int64_t down_in_features(const LinearLists& lists, int64_t i, int64_t H) {
 
 // A W4A8Linear at lists[i] (n outputs from k inputs) into `in`, writing columns [col, col + n).
 void add_w4(const LinearLists& lists, InputLinears& in, int64_t i, int64_t n, int64_t k, int64_t col, const float* b) {
-  const int64_t group = lists.w4_groups[i];  // the form (w4a8_gemm.h)
-  TORCH_CHECK(w4_form_valid(group), "w8a8_decoder_layers: W4A8 form ", group);
-  TORCH_CHECK(k % w4_k_multiple(group) == 0, "w8a8_decoder_layers: a W4A8 linear needs whole groups (", k,
+  const int64_t form = lists.w4_groups[i];  // w4a8_gemm.h
+  TORCH_CHECK(w4_form_valid(form), "w8a8_decoder_layers: W4A8 form ", form);
+  TORCH_CHECK(k % w4_k_multiple(form) == 0, "w8a8_decoder_layers: a W4A8 linear needs whole groups (", k,
               " inputs)");
-  TORCH_CHECK(in.n_w4 == 0 || in.group == group,
-              "w8a8_decoder_layers: W4A8 linears of one input must share their form");
+  TORCH_CHECK(in.n_w4 == 0 || in.group == w4_group_size(form),
+              "w8a8_decoder_layers: W4A8 linears of one input must share their group size");
   const std::optional<at::Tensor> p = lists.w4.get(i);
   TORCH_CHECK(given(p) && p->scalar_type() == at::kByte && p->is_contiguous() &&
-                  p->numel() == w4_packed_bytes(n, k, group),
-              "w8a8_decoder_layers: a W4A8 weight must be w4_pack's uint8 [", w4_packed_bytes(n, k, group), "] for ",
+                  p->numel() == w4_packed_bytes(n, k, form),
+              "w8a8_decoder_layers: a W4A8 weight must be w4_pack's uint8 [", w4_packed_bytes(n, k, form), "] for ",
               n, " x ", k);
-  in.group = group;
-  in.w4[in.n_w4++] = {p->data_ptr<uint8_t>(), n, b, col};
+  in.group = w4_group_size(form);
+  in.w4[in.n_w4++] = {p->data_ptr<uint8_t>(), n, b, col, form};
 }
 
 // An Int8Linear at lists[i] (n outputs from k inputs) into `in`, writing columns [col, col + n).
@@ -109,7 +109,7 @@ LayerLinears layer_linears(const LinearLists& lists, int64_t base, int64_t H, in
 
 StepActs::StepActs(int64_t M, int64_t k_max)
     : q(M * padded_k(k_max)), q_lo(M * padded_k(k_max)), sx(M), w4q(M * k_max), w4sx(M * (k_max / 32 + 1)),
-      w4xs(M * (k_max / 32 + 1)) {}
+      w4xs(M * (k_max / 32 + 1)), w4xh(2 * M * (k_max / 32 + 1)) {}
 
 StepGemm::StepGemm(const InputLinears& in, StepActs& acts, int64_t M, float* y, int64_t y_stride, KernelPath path,
                    int64_t row0)
@@ -138,9 +138,9 @@ void StepGemm::quantize(const float* x, int64_t r0, int64_t r1) const {
       quantize_rows_u8(x + r0 * K, nr, K, q, acts_->sx.data() + at, path_);
   }
   if (in_->n_w4) {
-    const int64_t group = w4_group_size(in_->group), G = K / group;
-    w4_quantize_groups(x + r0 * K, nr, K, group, acts_->w4q.data() + at * K, acts_->w4sx.data() + at * G,
-                       acts_->w4xs.data() + at * G);
+    const int64_t G = K / in_->group;
+    w4_quantize_groups(x + r0 * K, nr, K, in_->group, acts_->w4q.data() + at * K, acts_->w4sx.data() + at * G,
+                       acts_->w4xs.data() + at * G, acts_->w4xh.data() + at * 2 * G);
   }
 }
 
@@ -162,13 +162,14 @@ void StepGemm::run_vectors(int64_t v0, int64_t v1) const {
 // The 4-bit vectors [first, end) (numbered across the matrices).
 void StepGemm::run_w4(int64_t first, int64_t end) const {
   if (!in_->n_w4 || first >= end) return;
-  const int64_t K = in_->k, form = in_->group, vb = w4_vector_bytes(K, form), G = K / w4_group_size(form);
+  const int64_t K = in_->k, G = K / in_->group;
   const W4Acts acts{acts_->w4q.data() + row0_ * K, K, acts_->w4sx.data() + row0_ * G,
-                    acts_->w4xs.data() + row0_ * G, G};
+                    acts_->w4xs.data() + row0_ * G, G, acts_->w4xh.data() + row0_ * 2 * G};
   int64_t m = 0;
   for (int64_t v = first; v < end; ++v) {
     while (v >= w4_first_[m + 1]) ++m;
     const W4Matrix& w = in_->w4[m];
+    const int64_t form = w.form, vb = w4_vector_bytes(K, form);
     const int64_t n0 = (v - w4_first_[m]) * kW4Lanes;
     const bool prefetch = prefetch_stream_at((v - std::max(first, w4_first_[m])) * vb);
     w4_vector_rows(w4_kernel_, w4_rows_, w.packed + (v - w4_first_[m]) * vb, K, form, acts, M_,

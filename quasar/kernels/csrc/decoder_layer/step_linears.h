@@ -22,13 +22,14 @@
 
 namespace quasar {
 
-// One W4A8Linear: its weight packed by w4_pack (or w4_pack_q4k) for (n, K, form), an optional float32 bias
+// One W4A8Linear: its weight packed by w4_pack (w4_pack_q4k, w4_pack_q6k) for (n, K, form), an optional float32 bias
 // [n]; its outputs go to columns [y_col, y_col + n).
 struct W4Matrix {
   const uint8_t* packed;
   int64_t n;
   const float* bias;
   int64_t y_col;
+  int64_t form;
 };
 
 // The linears reading one input of K features, by kind (at most 3: q, k and v).
@@ -38,7 +39,7 @@ struct InputLinears {
   Int8Segment i8[kMaxInputLinears];
   int64_t n_i8 = 0, act_bits = 8;  // the int8 ones' activation bits (8 or 15)
   W4Matrix w4[kMaxInputLinears];
-  int64_t n_w4 = 0, group = 0;  // the 4-bit ones' form (their group size, or the Q4_K form)
+  int64_t n_w4 = 0, group = 0;  // the 4-bit ones' activation group size (each has its own form)
 };
 
 // A SwiGLU MLP's linears by input (a dense layer's, an expert's, a shared expert's); inter =
@@ -84,6 +85,7 @@ struct StepActs {
   std::vector<float> sx;         // int8: the rows' scales
   std::vector<int8_t> w4q;       // 4-bit: rows of K bytes
   std::vector<float> w4sx, w4xs;  // 4-bit: per row and group, rows of K / group
+  std::vector<int32_t> w4xh;       // 4-bit: per row and half group, rows of 2 K / group
 };
 
 // The linears of one input over M rows, writing y [M, y_stride], on kernel path `path`; the

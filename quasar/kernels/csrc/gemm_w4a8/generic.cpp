@@ -36,7 +36,7 @@ void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, 
     }
     return;
   }
-  const uint8_t* h = vec + g / kW4SuperGroups * kW4SuperBytes;
+  const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
   const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
   std::memcpy(sc, h, sizeof sc);
   std::memcpy(of, h + sizeof sc, sizeof of);
@@ -46,11 +46,53 @@ void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, 
   }
 }
 
+namespace {
+
+// The Q6_K form (w4a8_gemm.h): per group the half sums S_a, S_b of 6-bit weights, T, and
+// acc = acc + (float(T) * sx) * d.
+void q6k_rows_portable(const uint8_t* vec, int64_t K, const W4Acts& a, int64_t rows, float* out) {
+  const int64_t groups = K / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc[kW4Lanes] = {};
+    const int8_t* xr = a.q + r * a.ldq;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
+      const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
+      const int8_t* sub = reinterpret_cast<const int8_t*>(h + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes);
+      int32_t s[2][kW4Lanes] = {};
+      for (int64_t st = 0; st < 4; ++st) {
+        const uint8_t* c = p + 64 * st;
+        const uint8_t* hb = p + 256 + 64 * (st / 2);
+        const int shift = 4 * (st % 2);
+        const int8_t* x = xr + g * 32 + 8 * st;
+        for (int64_t i = 0; i < kW4Lanes; ++i)
+          for (int j = 0; j < 4; ++j) {
+            const int32_t b = c[4 * i + j], hi = hb[4 * i + j] >> shift;
+            const int32_t lo6 = (b & 15) | (hi & 3) << 4, hi6 = (b >> 4) | (hi >> 2 & 3) << 4;
+            s[st / 2][i] += lo6 * int32_t{x[j]} + hi6 * int32_t{x[4 + j]};
+          }
+      }
+      uint16_t d[kW4Lanes];
+      std::memcpy(d, h, sizeof d);
+      const float sx = a.sx[r * a.ldg + g];
+      const int32_t xa = a.xh[r * 2 * a.ldg + 2 * g], xb = a.xh[r * 2 * a.ldg + 2 * g + 1];
+      for (int64_t i = 0; i < kW4Lanes; ++i) {
+        const int32_t t = sub[i] * (s[0][i] - 32 * xa) + sub[kW4Lanes + i] * (s[1][i] - 32 * xb);
+        acc[i] = acc[i] + (static_cast<float>(t) * sx) * c10::detail::fp16_ieee_to_fp32_value(d[i]);
+      }
+    }
+    std::memcpy(out + r * kW4Lanes, acc, sizeof acc);
+  }
+}
+
+}  // namespace
+
 // Plain C++, the same sums and order as the SIMD kernels. Per step the inner loop is a 4-way
 // u8 x s8 dot product for each of 16 lanes, once for the low nibbles and once for the high:
 // where a NEON `udot`/`usdot` over the unpacked nibbles (vandq / vshrq) would slot in.
 void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                       bool /*prefetch: none here*/) {
+  if (w4_is_q6k(form)) return q6k_rows_portable(vec, K, a, rows, out);
   const int64_t group = w4_group_size(form), groups = K / group, steps = group / 8;
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kW4Lanes] = {};
@@ -125,21 +167,24 @@ void w4_disable_path(KernelPath p) { g_w4_disabled.fetch_or(1 << static_cast<int
 
 // quantize_activation_groups for x [M, K] (K a multiple of group): q int8 [M, K], sx and xs
 // [M, K / group]; each group quantized as the int8 linear quantizes a row (activation_quant.h).
-void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs) {
+void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs,
+                        int32_t* xh) {
   const int64_t groups = K / group;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       const float* r = x + m * K + g * group;
       const float s = row_scale(r, group, 127.0);
-      int32_t sum = 0;
+      int32_t half[2] = {};
       int8_t* o = q + m * K + g * group;
       for (int64_t k = 0; k < group; ++k) {
         const int32_t v = round_to_int(r[k] / s);
         o[k] = static_cast<int8_t>(v);
-        sum += v;
+        half[2 * k >= group] += v;
       }
       sx[m * groups + g] = s;
-      xs[m * groups + g] = static_cast<float>(sum) * s;
+      xs[m * groups + g] = static_cast<float>(half[0] + half[1]) * s;
+      xh[m * 2 * groups + 2 * g] = half[0];
+      xh[m * 2 * groups + 2 * g + 1] = half[1];
     }
 }
 
@@ -156,7 +201,7 @@ void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64
   float out[kW4MaxRows * kW4Lanes];
   for (int64_t r0 = 0; r0 < M; r0 += max_rows) {  // the first pass reads the vector, later ones hit cache
     const int64_t rows = std::min(max_rows, M - r0);
-    const W4Acts acts{a.q + r0 * a.ldq, a.ldq, a.sx + r0 * a.ldg, a.xs + r0 * a.ldg, a.ldg};
+    const W4Acts acts{a.q + r0 * a.ldq, a.ldq, a.sx + r0 * a.ldg, a.xs + r0 * a.ldg, a.ldg, a.xh + r0 * 2 * a.ldg};
     kernel(vec, K, form, acts, rows, out, r0 == 0 && (prefetch || M > 1));
     for (int64_t r = 0; r < rows; ++r) {
       float* yr = y + (r0 + r) * y_stride;

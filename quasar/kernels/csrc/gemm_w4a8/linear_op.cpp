@@ -27,11 +27,11 @@ int path_by_name(const std::string& name) {
 }
 
 void check_shape(int64_t N, int64_t K, int64_t form, const char* op) {
-  TORCH_CHECK(quasar::w4_form_valid(form), op, ": the group size must be 32, 64 or 128 (or the Q4_K form, ",
-              quasar::kW4Q4K, "), got ", form);
+  TORCH_CHECK(quasar::w4_form_valid(form), op, ": the group size must be 32, 64 or 128 (or the Q4_K or Q6_K form, ",
+              quasar::kW4Q4K, " or ", quasar::kW4Q6K, "), got ", form);
   const int64_t multiple = quasar::w4_k_multiple(form);
   TORCH_CHECK(K > 0 && K % multiple == 0, op, ": K (", K, ") must be a positive multiple of ",
-              quasar::w4_superblocks(form) ? "the Q4_K superblock" : "the group size", " (", multiple, ")");
+              quasar::w4_superblocks(form) ? "the superblock" : "the group size", " (", multiple, ")");
   TORCH_CHECK(N >= 0, op, ": N must not be negative, got ", N);
 }
 
@@ -39,8 +39,9 @@ void check_shape(int64_t N, int64_t K, int64_t form, const char* op) {
 at::Tensor group_params(const at::Tensor& t, int64_t N, int64_t G, const char* what, at::ScalarType type,
                         const char* shape) {
   // this type and nothing else: a wider tensor would be rounded here, out of the reference's sight.
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type, "w4_pack: ", what, " must be a ",
-              type == at::kHalf ? "float16" : "uint8", " CPU tensor, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type, "w4_pack: ", what, " must be ",
+              type == at::kHalf ? "a float16" : type == at::kChar ? "an int8" : "a uint8", " CPU tensor, got ",
+              t.scalar_type());
   TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == G, "w4_pack: ", what, " must be ", shape, " = [", N,
               ", ", G, "], got ", t.sizes());
   return t.contiguous();
@@ -78,7 +79,8 @@ uint8_t pack_lane_nibbles(const uint8_t* qs, int64_t N, int64_t K, int64_t n, in
 at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t group) {
   const at::Tensor qc = check_q(q);
   const int64_t N = qc.size(0), K = qc.size(1);
-  TORCH_CHECK(!quasar::w4_superblocks(group), "w4_pack: the Q4_K form is packed by w4_pack_q4k");
+  TORCH_CHECK(!quasar::w4_superblocks(group), "w4_pack: the Q4_K and Q6_K forms are packed by w4_pack_q4k and "
+              "w4_pack_q6k");
   check_shape(N, K, group, "w4_pack");
   const int64_t G = K / group;
   const at::Tensor sc = group_params(scales, N, G, "scales", at::kHalf, "[N, K / group]"),
@@ -118,7 +120,7 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
                        const at::Tensor& super_scales, const at::Tensor& super_offsets) {
   const at::Tensor qc = check_q(q);
   const int64_t N = qc.size(0), K = qc.size(1), form = quasar::kW4Q4K, group = quasar::w4_group_size(form);
-  check_shape(N, K, form, "w4_pack_q4k");
+  check_shape(N, K, form, "w4_pack_q4k");  // also the superblocks' pointers below
   const int64_t G = K / group, S = G / quasar::kW4SuperGroups;
   const at::Tensor c = group_params(scale_codes, N, G, "scale codes", at::kByte, "[N, K / 32]"),
                    o = group_params(offset_codes, N, G, "offset codes", at::kByte, "[N, K / 32]"),
@@ -139,7 +141,7 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
         const int64_t n = v * L + i;
         if (n >= N) break;  // padding lanes stay 0
         for (int64_t sb = 0; sb < S; ++sb) {
-          uint8_t* h = dst + v * vb + sb * quasar::kW4SuperBytes;
+          uint8_t* h = dst + v * vb + sb * quasar::kW4SuperBytes;  // the Q4_K form's
           std::memcpy(h + 2 * i, ds + n * S + sb, 2);
           std::memcpy(h + 2 * L + 2 * i, ms + n * S + sb, 2);
           for (int64_t j = 0; j < quasar::kW4SuperGroups; ++j) {
@@ -160,8 +162,54 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
   return out;
 }
 
-// x [..., K] floating point, packed by w4_pack for (N, K, group) or w4_pack_q4k (form
-// kW4Q4K; `group` is the form), bias [N] or None ->
+// q [N, K] (values 0..63, K a multiple of 256), the int8 scales s [N, K / 16] and float16 d
+// [N, K / 256] of a GGUF Q6_K tensor (w = d * s * (q - 32)) -> the packed uint8 of the Q6_K
+// form (w4a8_gemm.h).
+at::Tensor w4_pack_q6k(const at::Tensor& q, const at::Tensor& sub_scales, const at::Tensor& super_scales) {
+  const at::Tensor qc = check_q(q);
+  const int64_t N = qc.size(0), K = qc.size(1), form = quasar::kW4Q6K, L = quasar::kW4Lanes;
+  check_shape(N, K, form, "w4_pack_q6k");
+  const int64_t G = K / 32, S = G / quasar::kW4SuperGroups;
+  const at::Tensor sc = group_params(sub_scales, N, 2 * G, "sub-block scales", at::kChar, "[N, K / 16]"),
+                   d = group_params(super_scales, N, S, "superblock scales", at::kHalf, "[N, K / 256]");
+  at::Tensor out = at::zeros({quasar::w4_packed_bytes(N, K, form)}, q.options().dtype(at::kByte));
+  const uint8_t* qs = static_cast<const uint8_t*>(qc.data_ptr());
+  const int8_t* ss = sc.data_ptr<int8_t>();
+  const uint16_t* ds = static_cast<const uint16_t*>(d.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t vb = quasar::w4_vector_bytes(K, form), vectors = (N + L - 1) / L;
+  std::atomic<bool> out_of_range{false};
+  at::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
+    uint8_t bad = 0;
+    for (int64_t v = v0; v < v1; ++v)
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t n = v * L + i;
+        if (n >= N) break;  // padding lanes stay 0
+        for (int64_t g = 0; g < G; ++g) {
+          uint8_t* h = dst + v * vb + g / quasar::kW4SuperGroups * quasar::kW4Q6KBytes;
+          if (g % quasar::kW4SuperGroups == 0) std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
+          uint8_t* sub = h + 2 * L + g % quasar::kW4SuperGroups * 2 * L;
+          sub[i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g]);
+          sub[L + i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g + 1]);
+          uint8_t* p = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
+          for (int64_t st = 0; st < 4; ++st)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t* col = qs + n * K + g * 32 + 8 * st + j;
+              bad |= col[0] | col[4];
+              p[64 * st + 4 * i + j] = static_cast<uint8_t>((col[0] & 15) | (col[4] & 15) << 4);
+              p[256 + 64 * (st / 2) + 4 * i + j] |=
+                  static_cast<uint8_t>(((col[0] >> 4) | (col[4] >> 4) << 2) << (4 * (st % 2)));
+            }
+        }
+      }
+    if (bad & 0xC0) out_of_range.store(true, std::memory_order_relaxed);
+  });
+  TORCH_CHECK(!out_of_range.load(), "w4_pack_q6k: q must hold 6-bit values 0..63 (found one outside)");
+  return out;
+}
+
+// x [..., K] floating point, packed by w4_pack for (N, K, group), w4_pack_q4k or w4_pack_q6k
+// (forms kW4Q4K, kW4Q6K; `group` is the form), bias [N] or None ->
 // float32 [..., N]. path "": the active kernel path (less any the self-check disabled);
 // else exactly that path's kernel (the self-check and tests; the CPU must run it).
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t K, int64_t group,
@@ -201,9 +249,10 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (M == 0 || N == 0) return y.view(out_shape);
   std::vector<int8_t> q(M * K);
   std::vector<float> sx(M * G), xs(M * G);
+  std::vector<int32_t> xh(2 * M * G);
   quasar::w4_quantize_groups(xf.data_ptr<float>(), M, K, quasar::w4_group_size(group), q.data(), sx.data(),
-                             xs.data());
-  const quasar::W4Acts acts{q.data(), K, sx.data(), xs.data(), G};
+                             xs.data(), xh.data());
+  const quasar::W4Acts acts{q.data(), K, sx.data(), xs.data(), G, xh.data()};
 
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;

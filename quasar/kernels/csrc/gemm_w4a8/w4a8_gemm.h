@@ -27,6 +27,18 @@
 // kW4SuperBytes: a 320-byte header (16 d, 16 m, then for each of its 8 groups 16 c and 16 o)
 // and the 8 groups' nibbles as above (256 bytes each, no parameters after them): 4.625 bits a
 // weight, not 5, and the file's own scales rather than float16 roundings of them.
+//
+// kW4Q6K, a GGUF Q6_K tensor as the file stores it: q in [0, 63], w = d * s * (q - 32) with a
+// float16 d per 256 columns and lane and an int8 s per 16 columns. A vector is superblocks of
+// kW4Q6KBytes: a 288-byte header (16 d, then for each of its 8 groups of 32 columns the 16
+// lanes' s of columns 0..15, then of 16..31) and 8 groups of 384 bytes: the low 4 bits as the
+// nibbles above (256 bytes), then the high 2 bits (128 bytes): byte 4 i + j of its 64-byte
+// block h holds, for lane i, bits 0-1 and 2-3 the columns of nibble byte 4 i + j of step 2 h
+// (low, high nibble), bits 4-5 and 6-7 those of step 2 h + 1. 6.5625 bits a weight, as Q6_K.
+// Its group sums: S_a, S_b (columns 0..15, 16..31), X_a, X_b the activations' (W4Acts::xh),
+// T = s_a * (S_a - 32 X_a) + s_b * (S_b - 32 X_b), exact in int32, and the epilogue
+//   acc = acc + (float(T) * sx) * d
+// (float(T) rounds to nearest even past 2^24, on every path alike).
 #pragma once
 
 #include <cstdint>
@@ -39,29 +51,41 @@ constexpr int64_t kW4Lanes = 16;
 // Bytes of one group of one vector: the nibbles (16 lanes x group / 2), 16 scales, 16 offsets.
 constexpr int64_t w4_group_bytes(int64_t group) { return 8 * group + 2 * 2 * kW4Lanes; }
 
-// The Q4_K form (see above): a flag on its group size.
-constexpr int64_t kW4SuperblockFlag = 1 << 8;
-constexpr int64_t kW4Q4K = 32 | kW4SuperblockFlag;
+// The superblock forms (see above): flags on their group size, 32.
+constexpr int64_t kW4Q4KFlag = 1 << 8, kW4Q6KFlag = 1 << 9;
+constexpr int64_t kW4Q4K = 32 | kW4Q4KFlag, kW4Q6K = 32 | kW4Q6KFlag;
 constexpr int64_t kW4SuperGroups = 8;
 constexpr int64_t kW4SuperHeaderBytes = 2 * 2 * kW4Lanes + kW4SuperGroups * 2 * kW4Lanes;  // 320
 constexpr int64_t kW4SuperBytes = kW4SuperHeaderBytes + kW4SuperGroups * 8 * 32;          // 2368
-constexpr int64_t w4_group_size(int64_t form) { return form & (kW4SuperblockFlag - 1); }
-constexpr bool w4_superblocks(int64_t form) { return (form & kW4SuperblockFlag) != 0; }
+constexpr int64_t kW4Q6KHeaderBytes = 2 * kW4Lanes + kW4SuperGroups * 2 * kW4Lanes;        // 288
+constexpr int64_t kW4Q6KGroupBytes = 8 * 32 + 4 * 32;                                      // 384
+constexpr int64_t kW4Q6KBytes = kW4Q6KHeaderBytes + kW4SuperGroups * kW4Q6KGroupBytes;      // 3360
+constexpr int64_t w4_group_size(int64_t form) { return form & (kW4Q4KFlag - 1); }
+constexpr bool w4_is_q6k(int64_t form) { return form == kW4Q6K; }
+constexpr bool w4_superblocks(int64_t form) { return form == kW4Q4K || form == kW4Q6K; }
 // Whether `form` is one the kernels take.
-constexpr bool w4_form_valid(int64_t form) { return form == 32 || form == 64 || form == 128 || form == kW4Q4K; }
+constexpr bool w4_form_valid(int64_t form) {
+  return form == 32 || form == 64 || form == 128 || form == kW4Q4K || form == kW4Q6K;
+}
 // The K a vector of `form` must divide into whole groups (and superblocks).
 constexpr int64_t w4_k_multiple(int64_t form) {
   return w4_superblocks(form) ? kW4SuperGroups * w4_group_size(form) : w4_group_size(form);
 }
-// Group g's nibbles in a vector.
+// A vector's superblock s (the superblock forms).
+inline const uint8_t* w4_superblock(const uint8_t* vec, int64_t s, int64_t form) {
+  return vec + s * (w4_is_q6k(form) ? kW4Q6KBytes : kW4SuperBytes);
+}
+// Group g's nibbles in a vector (in the Q6_K form its high bits follow them).
 inline const uint8_t* w4_group_nibbles(const uint8_t* vec, int64_t g, int64_t form) {
+  if (w4_is_q6k(form))
+    return w4_superblock(vec, g / kW4SuperGroups, form) + kW4Q6KHeaderBytes + g % kW4SuperGroups * kW4Q6KGroupBytes;
   if (w4_superblocks(form))
-    return vec + g / kW4SuperGroups * kW4SuperBytes + kW4SuperHeaderBytes + g % kW4SuperGroups * 8 * 32;
+    return w4_superblock(vec, g / kW4SuperGroups, form) + kW4SuperHeaderBytes + g % kW4SuperGroups * 8 * 32;
   return vec + g * w4_group_bytes(form);
 }
 
 inline int64_t w4_vector_bytes(int64_t k, int64_t form) {
-  if (w4_superblocks(form)) return k / (kW4SuperGroups * 32) * kW4SuperBytes;
+  if (w4_superblocks(form)) return k / (kW4SuperGroups * 32) * (w4_is_q6k(form) ? kW4Q6KBytes : kW4SuperBytes);
   return k / form * w4_group_bytes(form);
 }
 inline int64_t w4_packed_bytes(int64_t n, int64_t k, int64_t form) {
@@ -69,13 +93,15 @@ inline int64_t w4_packed_bytes(int64_t n, int64_t k, int64_t form) {
 }
 
 // The quantized activations of M rows: q int8 [M, ldq] (ldq >= K), and per row and group
-// sx (the scale) and xs = float(X) * sx (X = the group's sum of q), both float [M, ldg].
+// sx (the scale) and xs = float(X) * sx (X = the group's sum of q), both float [M, ldg], and
+// xh: the sums of q over each half group, int32 [M, 2 ldg] (the Q6_K form's X_a, X_b).
 struct W4Acts {
   const int8_t* q;
   int64_t ldq;
   const float* sx;
   const float* xs;
   int64_t ldg;
+  const int32_t* xh;
 };
 
 // One vector's outputs for `rows` rows of a (1 <= rows <= w4_max_rows(path)), bias not yet
@@ -101,12 +127,15 @@ void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Ac
 // Rows per pass of each path's kernel (the driver cuts M into passes of at most this many).
 int64_t w4_max_rows(KernelPath path);
 
-// Group g's 16 scales and offsets as float32 (exact: a float16, or a float16 times a code).
+// Group g's 16 scales and offsets as float32 (exact: a float16, or a float16 times a code);
+// not for the Q6_K form.
 void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, float* offset);
 
 // The activations' side of the contract (generic.cpp): x [M, K] float32 (K a multiple of
-// group) -> q int8 [M, K], sx and xs float [M, K / group], one row at a time.
-void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs);
+// group) -> q int8 [M, K], sx and xs float [M, K / group], xh int32 [M, 2 K / group], one
+// row at a time.
+void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs,
+                        int32_t* xh);
 
 // The path whose W4A8 kernel serves kernel path p (amx: the AVX512-VNNI kernel; a path the
 // self-check disabled: the next lower one the CPU runs); -1 if none. w4_kernel: that path's

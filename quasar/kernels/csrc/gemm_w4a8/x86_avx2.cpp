@@ -35,7 +35,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilog
     const uint8_t* vec, const uint8_t* p, int64_t group, const W4Acts& a, int64_t g, const __m256i (&s)[R][2],
     __m256 (&acc)[R][2], bool pf) {
   const uint8_t* so = p + 8 * group;
-  const uint8_t* h = vec + g / kW4SuperGroups * kW4SuperBytes;
+  const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q4K);
   const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
   if (!SB && pf) prefetch(so + kPrefetchBytes);
   for (int half = 0; half < 2; ++half) {
@@ -64,6 +64,92 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilog
 __attribute__((always_inline)) inline void prefetch_header(const uint8_t* p, int64_t g) {
   if (g % kW4SuperGroups == 0)
     for (int64_t l = 0; l < kW4SuperHeaderBytes; l += 64) prefetch(p - kW4SuperHeaderBytes + l + kPrefetchBytes);
+}
+
+// ------------------------------------------------------------------ the Q6_K form on 256 bits
+// A step's 6-bit columns of lanes 8 half .. 8 half + 7 (w4a8_gemm.h): its nibbles with the two
+// high bits of its pair's high block or'ed in above them.
+struct Q6Columns {
+  __m256i lo, hi;
+};
+__attribute__((target("avx2"), always_inline)) inline Q6Columns q6k_columns(const uint8_t* p, int st, int half) {
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * st + 32 * half));
+  __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * (st / 2) + 32 * half));
+  if (st % 2) hb = _mm256_srli_epi16(hb, 4);
+  return {_mm256_or_si256(_mm256_and_si256(w, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
+                          _mm256_and_si256(_mm256_slli_epi16(hb, 2), top))};
+}
+
+// The Q6_K epilogue of group g for R rows: s[r][ab][half] are S_a, S_b of lanes 8 half ...
+template <int R>
+__attribute__((target("avx2,f16c"), always_inline)) inline void q6k_epilogue_256(
+    const uint8_t* vec, const W4Acts& a, int64_t g, const __m256i (&s)[R][2][2], __m256 (&acc)[R][2]) {
+  const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
+  const int8_t* sub = reinterpret_cast<const int8_t*>(h + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes);
+  const __m256i c32 = _mm256_set1_epi32(32);
+  for (int half = 0; half < 2; ++half) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * half)));
+    const __m256i ua = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * half)));
+    const __m256i ub =
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kW4Lanes + 8 * half)));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xh = a.xh + r * 2 * a.ldg + 2 * g;
+      const __m256i ta = _mm256_mullo_epi32(
+          ua, _mm256_sub_epi32(s[r][0][half], _mm256_mullo_epi32(c32, _mm256_set1_epi32(xh[0]))));
+      const __m256i tb = _mm256_mullo_epi32(
+          ub, _mm256_sub_epi32(s[r][1][half], _mm256_mullo_epi32(c32, _mm256_set1_epi32(xh[1]))));
+      const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(ta, tb));
+      acc[r][half] =
+          _mm256_add_ps(acc[r][half], _mm256_mul_ps(_mm256_mul_ps(t, _mm256_set1_ps(a.sx[r * a.ldg + g])), d));
+    }
+  }
+}
+
+// The prefetches of a Q6_K group's lines (its header's with the superblock's first group).
+__attribute__((always_inline)) inline void q6k_prefetch(const uint8_t* vec, const uint8_t* p, int64_t g) {
+  if (g % kW4SuperGroups == 0) {
+    const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
+    for (int64_t l = 0; l < kW4Q6KHeaderBytes; l += 64) prefetch(h + l + kPrefetchBytes);
+  }
+  for (int64_t l = 0; l < kW4Q6KGroupBytes; l += 64) prefetch(p + l + kPrefetchBytes);
+}
+
+// AVX2: vpmaddubsw of 6-bit columns (at most 63) and activations (|q| <= 128) is at most
+// 2 * 63 * 128 = 16,128 a pair; a step adds two (low and high columns), at most 32,256, so
+// each step widens to int32 at once (vpmaddwd with ones) and nothing saturates.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2_q6k(const uint8_t* vec, int64_t K, const W4Acts& a,
+                                                            float* out, bool pf) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
+    if (pf) q6k_prefetch(vec, p, g);
+    __m256i s[R][2][2];
+    for (int r = 0; r < R; ++r) s[r][0][0] = s[r][0][1] = s[r][1][0] = s[r][1][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; ++st) {
+      __m256i xa[R], xb[R];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.ldq + g * 32 + 8 * st;
+        xa[r] = _mm256_set1_epi32(load_u32(x));
+        xb[r] = _mm256_set1_epi32(load_u32(x + 4));
+      }
+      for (int half = 0; half < 2; ++half) {
+        const Q6Columns c = q6k_columns(p, st, half);
+        for (int r = 0; r < R; ++r) {
+          const __m256i m = _mm256_add_epi16(_mm256_maddubs_epi16(c.lo, xa[r]), _mm256_maddubs_epi16(c.hi, xb[r]));
+          s[r][st / 2][half] = _mm256_add_epi32(s[r][st / 2][half], _mm256_madd_epi16(m, ones));
+        }
+      }
+    }
+    q6k_epilogue_256<R>(vec, a, g, s, acc);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
 }
 
 // ------------------------------------------------------------------ AVX2
@@ -161,6 +247,36 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
 }
+template <int R>
+__attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni_q6k(const uint8_t* vec, int64_t K,
+                                                                        const W4Acts& a, float* out, bool pf) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
+    if (pf) q6k_prefetch(vec, p, g);
+    __m256i s[R][2][2];
+    for (int r = 0; r < R; ++r) s[r][0][0] = s[r][0][1] = s[r][1][0] = s[r][1][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; ++st) {
+      __m256i xa[R], xb[R];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.ldq + g * 32 + 8 * st;
+        xa[r] = _mm256_set1_epi32(load_u32(x));
+        xb[r] = _mm256_set1_epi32(load_u32(x + 4));
+      }
+      for (int half = 0; half < 2; ++half) {
+        const Q6Columns c = q6k_columns(p, st, half);
+        for (int r = 0; r < R; ++r)
+          s[r][st / 2][half] =
+              _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][st / 2][half], c.lo, xa[r]), c.hi, xb[r]);
+      }
+    }
+    q6k_epilogue_256<R>(vec, a, g, s, acc);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
+}
 #endif
 
 }  // namespace
@@ -170,7 +286,8 @@ void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, 
   static constexpr StepsFn kFns[kFormCount][kAvx2Rows] = {{rows_avx2<1, 4>, rows_avx2<2, 4>},
                                                           {rows_avx2<1, 8>, rows_avx2<2, 8>},
                                                           {rows_avx2<1, 16>, rows_avx2<2, 16>},
-                                                          {rows_avx2<1, 4, true>, rows_avx2<2, 4, true>}};
+                                                          {rows_avx2<1, 4, true>, rows_avx2<2, 4, true>},
+                                                          {rows_avx2_q6k<1>, rows_avx2_q6k<2>}};
   kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
 }
 
@@ -181,7 +298,8 @@ void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts&
       {rows_avx_vnni<1, 4>, rows_avx_vnni<2, 4>, rows_avx_vnni<3, 4>, rows_avx_vnni<4, 4>},
       {rows_avx_vnni<1, 8>, rows_avx_vnni<2, 8>, rows_avx_vnni<3, 8>, rows_avx_vnni<4, 8>},
       {rows_avx_vnni<1, 16>, rows_avx_vnni<2, 16>, rows_avx_vnni<3, 16>, rows_avx_vnni<4, 16>},
-      {rows_avx_vnni<1, 4, true>, rows_avx_vnni<2, 4, true>, rows_avx_vnni<3, 4, true>, rows_avx_vnni<4, 4, true>}};
+      {rows_avx_vnni<1, 4, true>, rows_avx_vnni<2, 4, true>, rows_avx_vnni<3, 4, true>, rows_avx_vnni<4, 4, true>},
+      {rows_avx_vnni_q6k<1>, rows_avx_vnni_q6k<2>, rows_avx_vnni_q6k<3>, rows_avx_vnni_q6k<4>}};
   kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
 #else
   (void)vec, (void)K, (void)form, (void)a, (void)rows, (void)out, (void)prefetch;

@@ -59,7 +59,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
     }
     __m512 sc, of;
     if constexpr (SB) {  // d * c and m * o, exact in float32
-      const uint8_t* h = vec + g / kW4SuperGroups * kW4SuperBytes;
+      const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
       const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
@@ -85,6 +85,63 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kW4Lanes, acc[r]);
 }
 
+// The Q6_K form (w4a8_gemm.h): a step's 6-bit columns are its nibbles with the two high bits
+// of its 64-byte high block (shifted by 4 for the second step of a pair) or'ed in above them;
+// steps 0-1 sum into S_a, 2-3 into S_b, and the epilogue makes T in int32.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(const uint8_t* vec, int64_t K,
+                                                                             const W4Acts& a, float* out, bool pf) {
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi32(32);
+  const int64_t groups = K / 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
+    const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
+    if (pf && g % kW4SuperGroups == 0)
+      for (int64_t l = 0; l < kW4Q6KHeaderBytes; l += 64) prefetch(h + l + kPrefetchBytes);
+    __m512i sa[R], sb[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; ++st) {
+      const uint8_t* c = p + 64 * st;
+      if (pf) prefetch(c + kPrefetchBytes);
+      if (pf && st % 2 == 0) prefetch(p + 256 + 32 * st + kPrefetchBytes);
+      const __m512i w = _mm512_loadu_si512(c);
+      __m512i hb = _mm512_loadu_si512(p + 256 + 64 * (st / 2));
+      if (st % 2) hb = _mm512_srli_epi16(hb, 4);
+      const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, low), _mm512_and_si512(_mm512_slli_epi16(hb, 4), top));
+      const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), low),
+                                         _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.ldq + g * 32 + 8 * st;
+        __m512i& s = st < 2 ? sa[r] : sb[r];
+        s = _mm512_dpbusd_epi32(s, lo, _mm512_set1_epi32(load_u32(x)));
+        s = _mm512_dpbusd_epi32(s, hi, _mm512_set1_epi32(load_u32(x + 4)));
+      }
+    }
+    const int8_t* sub = reinterpret_cast<const int8_t*>(h + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes);
+    const __m512i ua = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
+    const __m512i ub = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kW4Lanes)));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xh = a.xh + r * 2 * a.ldg + 2 * g;
+      const __m512i xa = _mm512_mullo_epi32(c32, _mm512_set1_epi32(xh[0]));
+      const __m512i xb = _mm512_mullo_epi32(c32, _mm512_set1_epi32(xh[1]));
+      const __m512i ta = _mm512_mullo_epi32(ua, _mm512_sub_epi32(sa[r], xa));
+      const __m512i tb = _mm512_mullo_epi32(ub, _mm512_sub_epi32(sb[r], xb));
+      const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(ta, tb));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(t, _mm512_set1_ps(a.sx[r * a.ldg + g])), d));
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kW4Lanes, acc[r]);
+}
+
 }  // namespace
 
 // kernels for R = 1 .. kW4MaxRows rows at one number of steps a group
@@ -92,13 +149,17 @@ template <int STEPS, bool SB, int... R>
 constexpr std::array<StepsFn, sizeof...(R)> avx512_rows(std::integer_sequence<int, R...>) {
   return {rows_avx512<R + 1, STEPS, SB>...};
 }
+template <int... R>
+constexpr std::array<StepsFn, sizeof...(R)> avx512_q6k_rows(std::integer_sequence<int, R...>) {
+  return {rows_avx512_q6k<R + 1>...};
+}
 
 void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
                          bool prefetch) {
   using Rows = std::make_integer_sequence<int, kW4MaxRows>;
   static constexpr std::array<StepsFn, kW4MaxRows> kFns[kFormCount] = {
       avx512_rows<4, false>(Rows{}), avx512_rows<8, false>(Rows{}), avx512_rows<16, false>(Rows{}),
-      avx512_rows<4, true>(Rows{})};
+      avx512_rows<4, true>(Rows{}), avx512_q6k_rows(Rows{})};
   kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
 }
 

@@ -25,10 +25,13 @@ inline int32_t load_u32(const int8_t* p) {
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 // A kernel for one form (STEPS = group / 8 a template argument) and row count, in tables
-// indexed by form_index: groups of 32, 64, 128 with float16 parameters, then the Q4_K form.
+// indexed by form_index: groups of 32, 64, 128 with float16 parameters, then the Q4_K form,
+// then the Q6_K form.
 using StepsFn = void (*)(const uint8_t*, int64_t, const W4Acts&, float*, bool);
-constexpr int kFormCount = 4;
-inline int form_index(int64_t form) { return form == 32 ? 0 : form == 64 ? 1 : form == 128 ? 2 : 3; }
+constexpr int kFormCount = 5;
+inline int form_index(int64_t form) {
+  return form == 32 ? 0 : form == 64 ? 1 : form == 128 ? 2 : form == kW4Q4K ? 3 : 4;
+}
 
 }  // namespace w4x86
 }  // namespace quasar
