@@ -88,7 +88,6 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void q6k_epilogue_256
     const uint8_t* vec, const W4Acts& a, int64_t g, const __m256i (&s)[R][2][2], __m256 (&acc)[R][2]) {
   const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
   const int8_t* sub = reinterpret_cast<const int8_t*>(h + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes);
-  const __m256i c32 = _mm256_set1_epi32(32);
   for (int half = 0; half < 2; ++half) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * half)));
     const __m256i ua = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * half)));
@@ -96,10 +95,8 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void q6k_epilogue_256
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kW4Lanes + 8 * half)));
     for (int r = 0; r < R; ++r) {
       const int32_t* xh = a.xh + r * 2 * a.ldg + 2 * g;
-      const __m256i ta = _mm256_mullo_epi32(
-          ua, _mm256_sub_epi32(s[r][0][half], _mm256_mullo_epi32(c32, _mm256_set1_epi32(xh[0]))));
-      const __m256i tb = _mm256_mullo_epi32(
-          ub, _mm256_sub_epi32(s[r][1][half], _mm256_mullo_epi32(c32, _mm256_set1_epi32(xh[1]))));
+      const __m256i ta = _mm256_mullo_epi32(ua, _mm256_sub_epi32(s[r][0][half], _mm256_set1_epi32(32 * xh[0])));
+      const __m256i tb = _mm256_mullo_epi32(ub, _mm256_sub_epi32(s[r][1][half], _mm256_set1_epi32(32 * xh[1])));
       const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(ta, tb));
       acc[r][half] =
           _mm256_add_ps(acc[r][half], _mm256_mul_ps(_mm256_mul_ps(t, _mm256_set1_ps(a.sx[r * a.ldg + g])), d));

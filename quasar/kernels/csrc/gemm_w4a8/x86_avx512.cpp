@@ -94,7 +94,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(cons
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi32(32);
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   const int64_t groups = K / 32;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
@@ -130,10 +130,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(cons
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int32_t* xh = a.xh + r * 2 * a.ldg + 2 * g;
-      const __m512i xa = _mm512_mullo_epi32(c32, _mm512_set1_epi32(xh[0]));
-      const __m512i xb = _mm512_mullo_epi32(c32, _mm512_set1_epi32(xh[1]));
-      const __m512i ta = _mm512_mullo_epi32(ua, _mm512_sub_epi32(sa[r], xa));
-      const __m512i tb = _mm512_mullo_epi32(ub, _mm512_sub_epi32(sb[r], xb));
+      const __m512i ta = _mm512_mullo_epi32(ua, _mm512_sub_epi32(sa[r], _mm512_set1_epi32(32 * xh[0])));
+      const __m512i tb = _mm512_mullo_epi32(ub, _mm512_sub_epi32(sb[r], _mm512_set1_epi32(32 * xh[1])));
       const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(ta, tb));
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(t, _mm512_set1_ps(a.sx[r * a.ldg + g])), d));
     }
