@@ -176,10 +176,14 @@ void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int
       const float s = row_scale(r, group, 127.0);
       int32_t half[2] = {};
       int8_t* o = q + m * K + g * group;
-      for (int64_t k = 0; k < group; ++k) {
-        const int32_t v = round_to_int(r[k] / s);
-        o[k] = static_cast<int8_t>(v);
-        half[2 * k >= group] += v;
+      for (int h = 0; h < 2; ++h) {  // a loop a half: each sums into one register
+        int32_t sum = 0;
+        for (int64_t k = h * group / 2; k < (h + 1) * group / 2; ++k) {
+          const int32_t v = round_to_int(r[k] / s);
+          o[k] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        half[h] = sum;
       }
       sx[m * groups + g] = s;
       xs[m * groups + g] = static_cast<float>(half[0] + half[1]) * s;
