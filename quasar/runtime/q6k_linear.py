@@ -75,28 +75,11 @@ class Q6KLinear(W4A8Linear):
     def dequantized_weight(self) -> Tensor:
         return dequantize_q6k(self.qweight, self.scales, self.super_scales)
 
-    def op_and_packing(self):
-        op = ext.w4a8_linear_op()
-        if op is None:
-            return None
-        key = tuple(t.data_ptr() for t in self.stored())
-        if self._kernel_packing is None or self._kernel_packing[0] != key:
-            self._kernel_packing = (key, ext.pack_w4_q6k(*self.stored()))
-            for t in self.stored():  # steps read only the packing (see W4A8Linear)
-                ext.release_pages(t)
-        return op, self._kernel_packing[1]
+    def _pack(self) -> Tensor:
+        return ext.pack_w4_q6k(*self.stored())
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
-            raise QuasarError(f"Q6KLinear expects {self.in_features} input features, got {x.shape[-1]}")
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
-        kernel = self.op_and_packing() if x2.shape[0] else None
-        if kernel is not None:
-            op, packed = kernel
-            y = op(x2, packed, self.out_features, self.in_features, self.form, self.bias)
-        else:
-            y = reference_linear_q6k(x2, *self.stored(), self.bias)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+    def _reference(self, x2: Tensor) -> Tensor:
+        return reference_linear_q6k(x2, *self.stored(), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -129,10 +129,7 @@ class W4A8Linear(nn.Module):
         stored = self.stored()
         key = tuple(t.data_ptr() for t in stored)
         if self._kernel_packing is None or self._kernel_packing[0] != key:
-            q = unpack_int4(self.qweight, self.in_features)
-            packed = ext.pack_w4_q4k(q, *stored[1:]) if self.q4k else \
-                ext.pack_w4(q, self.scales, self.offsets, self.group)
-            self._kernel_packing = (key, packed)
+            self._kernel_packing = (key, self._pack())
             # Steps read only the packing: let the OS drop the stored form's pages (a memory-
             # mapped checkpoint's come back from the file if touched), so the weight is resident
             # once, not twice (at 8B the difference is 4 GB).
@@ -140,17 +137,28 @@ class W4A8Linear(nn.Module):
                 ext.release_pages(t)
         return op, self._kernel_packing[1]
 
+    def _pack(self) -> Tensor:
+        """The stored weight in the op's layout (ext.pack_w4 / pack_w4_q4k)."""
+        q = unpack_int4(self.qweight, self.in_features)
+        if self.q4k:
+            return ext.pack_w4_q4k(q, *self.stored()[1:])
+        return ext.pack_w4(q, self.scales, self.offsets, self.group)
+
+    def _reference(self, x2: Tensor) -> Tensor:
+        """The reference numbers of x2 [M, in] (what every kernel gives, slowly)."""
+        q = unpack_int4(self.qweight, self.in_features)
+        return reference_linear_w4a8(x2, q, *self.group_params(), self.bias, self.group)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
-            raise QuasarError(f"W4A8Linear expects {self.in_features} input features, got {x.shape[-1]}")
+            raise QuasarError(f"{type(self).__name__} expects {self.in_features} input features, got {x.shape[-1]}")
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         kernel = self.op_and_packing() if x2.shape[0] else None
         if kernel is not None:
             op, packed = kernel
             y = op(x2, packed, self.out_features, self.in_features, self.form, self.bias)
         else:
-            q = unpack_int4(self.qweight, self.in_features)
-            y = reference_linear_w4a8(x2, q, *self.group_params(), self.bias, self.group)
+            y = self._reference(x2)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

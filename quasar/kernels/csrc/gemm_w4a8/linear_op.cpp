@@ -72,6 +72,21 @@ uint8_t pack_lane_nibbles(const uint8_t* qs, int64_t N, int64_t K, int64_t n, in
   return bad;
 }
 
+// Runs fn(v, i, n) for every real lane n = 16 v + i of an N-row weight, its vectors split over
+// the threads; returns the OR of what fn returns (the bits past their width that a value had).
+template <typename Fn>
+uint8_t each_lane(int64_t N, Fn fn) {
+  const int64_t L = quasar::kW4Lanes, vectors = (N + L - 1) / L;
+  std::atomic<int> bad{0};
+  at::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
+    uint8_t b = 0;
+    for (int64_t v = v0; v < v1; ++v)
+      for (int64_t i = 0; i < L && v * L + i < N; ++i) b |= fn(v, i, v * L + i);
+    bad.fetch_or(b, std::memory_order_relaxed);
+  });
+  return static_cast<uint8_t>(bad.load());
+}
+
 }  // namespace
 
 // q [N, K] (int8 or uint8, values 0..15), scales and offsets [N, K / group] -> the packed
@@ -132,33 +147,22 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
   const uint16_t *ds = static_cast<const uint16_t*>(d.data_ptr()), *ms = static_cast<const uint16_t*>(m.data_ptr());
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t vb = quasar::w4_vector_bytes(K, form), L = quasar::kW4Lanes;
-  const int64_t vectors = (N + L - 1) / L;
-  std::atomic<bool> out_of_range{false};
-  at::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
-    uint8_t bad = 0;
-    for (int64_t v = v0; v < v1; ++v)
-      for (int64_t i = 0; i < L; ++i) {
-        const int64_t n = v * L + i;
-        if (n >= N) break;  // padding lanes stay 0
-        for (int64_t sb = 0; sb < S; ++sb) {
-          uint8_t* h = dst + v * vb + sb * quasar::kW4SuperBytes;  // the Q4_K form's
-          std::memcpy(h + 2 * i, ds + n * S + sb, 2);
-          std::memcpy(h + 2 * L + 2 * i, ms + n * S + sb, 2);
-          for (int64_t j = 0; j < quasar::kW4SuperGroups; ++j) {
-            const int64_t g = sb * quasar::kW4SuperGroups + j;
-            h[4 * L + 2 * L * j + i] = cs[n * G + g];
-            h[4 * L + 2 * L * j + L + i] = os[n * G + g];
-          }
-        }
+  const uint8_t bad = each_lane(N, [&](int64_t v, int64_t i, int64_t n) {
+    uint8_t wide = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* h = dst + v * vb + g / quasar::kW4SuperGroups * quasar::kW4SuperBytes;  // the Q4_K form's
+      if (g % quasar::kW4SuperGroups == 0) {
+        std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
+        std::memcpy(h + 2 * L + 2 * i, ms + n * S + g / quasar::kW4SuperGroups, 2);
       }
-    for (int64_t v = v0; v < v1; ++v)
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* blk = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
-        for (int64_t i = 0; i < L; ++i) bad |= pack_lane_nibbles(qs, N, K, v * L + i, g, group, i, blk);
-      }
-    if (bad & 0xF0) out_of_range.store(true, std::memory_order_relaxed);
+      h[4 * L + 2 * L * (g % quasar::kW4SuperGroups) + i] = cs[n * G + g];
+      h[4 * L + 2 * L * (g % quasar::kW4SuperGroups) + L + i] = os[n * G + g];
+      uint8_t* blk = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
+      wide |= pack_lane_nibbles(qs, N, K, n, g, group, i, blk);
+    }
+    return wide;
   });
-  TORCH_CHECK(!out_of_range.load(), "w4_pack_q4k: q must hold 4-bit values 0..15 (found one outside)");
+  TORCH_CHECK(!(bad & 0xF0), "w4_pack_q4k: q must hold 4-bit values 0..15 (found one outside)");
   return out;
 }
 
@@ -177,34 +181,28 @@ at::Tensor w4_pack_q6k(const at::Tensor& q, const at::Tensor& sub_scales, const 
   const int8_t* ss = sc.data_ptr<int8_t>();
   const uint16_t* ds = static_cast<const uint16_t*>(d.data_ptr());
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t vb = quasar::w4_vector_bytes(K, form), vectors = (N + L - 1) / L;
-  std::atomic<bool> out_of_range{false};
-  at::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
-    uint8_t bad = 0;
-    for (int64_t v = v0; v < v1; ++v)
-      for (int64_t i = 0; i < L; ++i) {
-        const int64_t n = v * L + i;
-        if (n >= N) break;  // padding lanes stay 0
-        for (int64_t g = 0; g < G; ++g) {
-          uint8_t* h = dst + v * vb + g / quasar::kW4SuperGroups * quasar::kW4Q6KBytes;
-          if (g % quasar::kW4SuperGroups == 0) std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
-          uint8_t* sub = h + 2 * L + g % quasar::kW4SuperGroups * 2 * L;
-          sub[i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g]);
-          sub[L + i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g + 1]);
-          uint8_t* p = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
-          for (int64_t st = 0; st < 4; ++st)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t* col = qs + n * K + g * 32 + 8 * st + j;
-              bad |= col[0] | col[4];
-              p[64 * st + 4 * i + j] = static_cast<uint8_t>((col[0] & 15) | (col[4] & 15) << 4);
-              p[256 + 64 * (st / 2) + 4 * i + j] |=
-                  static_cast<uint8_t>(((col[0] >> 4) | (col[4] >> 4) << 2) << (4 * (st % 2)));
-            }
+  const int64_t vb = quasar::w4_vector_bytes(K, form);
+  const uint8_t bad = each_lane(N, [&](int64_t v, int64_t i, int64_t n) {
+    uint8_t wide = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* h = dst + v * vb + g / quasar::kW4SuperGroups * quasar::kW4Q6KBytes;
+      if (g % quasar::kW4SuperGroups == 0) std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
+      uint8_t* sub = h + 2 * L + g % quasar::kW4SuperGroups * 2 * L;
+      sub[i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g]);
+      sub[L + i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g + 1]);
+      uint8_t* p = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
+      for (int64_t st = 0; st < 4; ++st)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t* col = qs + n * K + g * 32 + 8 * st + j;
+          wide |= col[0] | col[4];
+          p[64 * st + 4 * i + j] = static_cast<uint8_t>((col[0] & 15) | (col[4] & 15) << 4);
+          p[256 + 64 * (st / 2) + 4 * i + j] |=
+              static_cast<uint8_t>(((col[0] >> 4) | (col[4] >> 4) << 2) << (4 * (st % 2)));
         }
-      }
-    if (bad & 0xC0) out_of_range.store(true, std::memory_order_relaxed);
+    }
+    return wide;
   });
-  TORCH_CHECK(!out_of_range.load(), "w4_pack_q6k: q must hold 6-bit values 0..63 (found one outside)");
+  TORCH_CHECK(!(bad & 0xC0), "w4_pack_q6k: q must hold 6-bit values 0..63 (found one outside)");
   return out;
 }
 

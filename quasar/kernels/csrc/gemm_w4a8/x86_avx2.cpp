@@ -66,6 +66,17 @@ __attribute__((always_inline)) inline void prefetch_header(const uint8_t* p, int
     for (int64_t l = 0; l < kW4SuperHeaderBytes; l += 64) prefetch(p - kW4SuperHeaderBytes + l + kPrefetchBytes);
 }
 
+// Each of R rows' activations of columns k..k+3 and k+4..k+7, four bytes broadcast to every lane.
+template <int R>
+__attribute__((target("avx2"), always_inline)) inline void broadcast_x(const W4Acts& a, int64_t k, __m256i (&xa)[R],
+                                                                      __m256i (&xb)[R]) {
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = a.q + r * a.ldq + k;
+    xa[r] = _mm256_set1_epi32(load_u32(x));
+    xb[r] = _mm256_set1_epi32(load_u32(x + 4));
+  }
+}
+
 // ------------------------------------------------------------------ the Q6_K form on 256 bits
 // A step's 6-bit columns of lanes 8 half .. 8 half + 7 (w4a8_gemm.h): its nibbles with the two
 // high bits of its pair's high block or'ed in above them.
@@ -130,11 +141,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_q6k(const uint8_t* vec, 
 #pragma GCC unroll 4
     for (int st = 0; st < 4; ++st) {
       __m256i xa[R], xb[R];
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.q + r * a.ldq + g * 32 + 8 * st;
-        xa[r] = _mm256_set1_epi32(load_u32(x));
-        xb[r] = _mm256_set1_epi32(load_u32(x + 4));
-      }
+      broadcast_x<R>(a, g * 32 + 8 * st, xa, xb);
       for (int half = 0; half < 2; ++half) {
         const Q6Columns c = q6k_columns(p, st, half);
         for (int r = 0; r < R; ++r) {
@@ -182,11 +189,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
         const uint8_t* c = p + 64 * st;
         if (pf) prefetch(c + kPrefetchBytes);
         __m256i xa[R], xb[R];
-        for (int r = 0; r < R; ++r) {
-          const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
-          xa[r] = _mm256_set1_epi32(load_u32(x));
-          xb[r] = _mm256_set1_epi32(load_u32(x + 4));
-        }
+        broadcast_x<R>(a, g * group + 8 * st, xa, xb);
         for (int h = 0; h < 2; ++h) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * h));
           const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -227,11 +230,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
       const uint8_t* c = p + 64 * st;
       if (pf) prefetch(c + kPrefetchBytes);
       __m256i xa[R], xb[R];
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
-        xa[r] = _mm256_set1_epi32(load_u32(x));
-        xb[r] = _mm256_set1_epi32(load_u32(x + 4));
-      }
+      broadcast_x<R>(a, g * group + 8 * st, xa, xb);
       for (int h = 0; h < 2; ++h) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * h));
         const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -257,11 +256,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni_q6k(const ui
 #pragma GCC unroll 4
     for (int st = 0; st < 4; ++st) {
       __m256i xa[R], xb[R];
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.q + r * a.ldq + g * 32 + 8 * st;
-        xa[r] = _mm256_set1_epi32(load_u32(x));
-        xb[r] = _mm256_set1_epi32(load_u32(x + 4));
-      }
+      broadcast_x<R>(a, g * 32 + 8 * st, xa, xb);
       for (int half = 0; half < 2; ++half) {
         const Q6Columns c = q6k_columns(p, st, half);
         for (int r = 0; r < R; ++r)
