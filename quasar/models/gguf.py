@@ -461,10 +461,14 @@ def _float_rows(t, cfg: ModelConfig, take: torch.Tensor | None, arrays: list) ->
     return [a.contiguous() for a in arrays]
 
 
+def _matrix(t, expert: int | None) -> tuple[np.ndarray, tuple[int, int]]:
+    """A stored matrix's blocks (one expert's of a stack) and its Hugging Face shape [rows, cols]."""
+    return (t.data if expert is None else t.data[expert]), tuple(int(d) for d in reversed(t.shape))[-2:]
+
+
 def _read_q6k(t, cfg: ModelConfig, expert: int | None, take: torch.Tensor | None,
               gain: torch.Tensor | None) -> tuple:
-    data = t.data if expert is None else t.data[expert]
-    q, scales, d = _float_rows(t, cfg, take, list(q6k_blocks(data, tuple(int(n) for n in reversed(t.shape))[-2:])))
+    q, scales, d = _float_rows(t, cfg, take, list(q6k_blocks(*_matrix(t, expert))))
     if gain is not None:
         d = (d.float() * gain).half()
     return q, scales, d
@@ -472,8 +476,7 @@ def _read_q6k(t, cfg: ModelConfig, expert: int | None, take: torch.Tensor | None
 
 def _read_groups(t, cfg: ModelConfig, expert: int | None, take: torch.Tensor | None,
                  gain: torch.Tensor | None) -> tuple:
-    data = t.data if expert is None else t.data[expert]
-    shape = tuple(int(d) for d in reversed(t.shape))[-2:]
+    data, shape = _matrix(t, expert)
     arrays = list(int4_groups(data, t.tensor_type, shape))
     q4k = t.tensor_type == QuantType.Q4_K  # its own two-level parameters too
     if q4k:

@@ -76,7 +76,8 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
             parts.append(f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
         raise QuasarError(f"{source}: weights do not match a {cfg.model_type} model ({'; '.join(parts)})")
     # Quantization scales keep their stored dtype (int8 layers' float32 ``*_scale``, 4-bit
-    # layers' float16 ``*.scales`` / ``*.offsets`` and Q4_K factors); only the float model's tensors take `dtype`.
+    # layers' float16 ``*.scales`` / ``*.offsets`` and Q4_K / Q6_K factors); only the float
+    # model's tensors take `dtype`.
     state = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith(_QUANT_PARAMS) else v)
              for k, v in tensors.items()}
     model.load_state_dict(state, strict=False, assign=True)

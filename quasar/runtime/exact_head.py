@@ -3,8 +3,8 @@ likeliest recomputed from the file's own weights.
 
 A step streams the head as an ``Int8Linear`` with 15-bit activations (its int8 per-channel
 weights are at least as fine as the file's 6- or 8-bit blocks), or, where the file keeps it in
-Q6_K, as those blocks themselves (``Q6KLinear``: the file's precision, 6.5625 bits a weight). Per-token rounding of the
-final hidden state still moves the logits that decide the next token, so each row's
+Q6_K, as those blocks themselves (``Q6KLinear``: the file's precision, 6.5625 bits a weight).
+Per-token rounding of the final hidden state still moves the logits that decide the next token, so each row's
 ``top_k`` largest logits are recomputed from the float weights of those tokens (the float
 model's own, i.e. the GGUF's values dequantized) and the unrounded hidden state, summed in
 float64. That reads ``top_k`` rows of the float matrix a step, not all of it. With a tied
@@ -16,8 +16,9 @@ one dot product over a contiguous row in a fixed order, rounded to float32: the 
 row is verified alone or with drafts, so greedy speculative decoding still equals greedy
 decoding of the same verifier.
 
-State: ``approx`` (Int8Linear, 15-bit activations, or Q6KLinear) and ``exact.weight`` (float32 [vocab,
-hidden]; a tied head stores none and reads the embedding module's table, ``TiedRows``).
+State: ``approx`` (Int8Linear, 15-bit activations, or Q6KLinear) and ``exact.weight``
+(float32 [vocab, hidden]; a tied head stores none and reads the embedding module's table,
+``TiedRows``).
 """
 
 from __future__ import annotations
@@ -88,11 +89,15 @@ class ExactTopHead(nn.Module):
         head = cls(in_features, out_features, top_k, device="meta")
         q, scale = quantize_weight(weight)
         head.approx.weight, head.approx.weight_scale = q, scale
-        if tied is not False:
-            head.tied, head.exact = True, TiedRows(None if tied is True else tied)
-        else:
-            head.exact = RowTable(weight.float())
+        head._take_exact_rows(weight, tied)
         return head
+
+    def _take_exact_rows(self, weight: Tensor, tied: nn.Embedding | bool) -> None:
+        """The float rows the top logits are recomputed from: the embedding's (tied) or `weight`'s."""
+        if tied is not False:
+            self.tied, self.exact = True, TiedRows(None if tied is True else tied)
+        else:
+            self.tied, self.exact = False, RowTable(weight.float())
 
     @classmethod
     def from_q6k(cls, blocks: tuple, weight: Tensor, top_k: int = DEFAULT_TOP_K,
@@ -103,8 +108,7 @@ class ExactTopHead(nn.Module):
         out_features, in_features = weight.shape
         head = cls(in_features, out_features, top_k, device="meta", q6k=True)
         head.approx = Q6KLinear.from_blocks(*blocks)
-        head.tied, head.exact = (True, TiedRows(None if tied is True else tied)) if tied is not False else \
-            (False, RowTable(weight.float()))
+        head._take_exact_rows(weight, tied)
         return head
 
     def forward(self, x: Tensor) -> Tensor:

@@ -51,14 +51,7 @@ class Q6KLinear(W4A8Linear):
         [out, in] in [0, 63], int8 sub_scales [out, in / 16], float16 super_scales [out, in / 256]."""
         out_features, in_features = q.shape
         layer = cls(in_features, out_features, bias is not None)
-        for name, t in (("qweight", q), ("scales", sub_scales), ("super_scales", super_scales)):
-            want = getattr(layer, name)
-            if t.shape != want.shape or t.dtype != want.dtype:
-                raise QuasarError(f"Q6_K {name}: expected {want.dtype} {tuple(want.shape)}, got {t.dtype} "
-                                  f"{tuple(t.shape)}")
-            setattr(layer, name, t.detach().contiguous().clone())
-        if bias is not None:
-            layer.bias = bias.detach().float().clone()
+        layer._take_buffers("Q6_K", bias, qweight=q, scales=sub_scales, super_scales=super_scales)
         return layer
 
     def group_params(self):

@@ -93,21 +93,25 @@ class W4A8Linear(nn.Module):
     def from_q4k(cls, q: Tensor, scale_codes: Tensor, offset_codes: Tensor, super_scales: Tensor,
                  super_offsets: Tensor, bias: Tensor | None = None) -> "W4A8Linear":
         """A layer in the Q4_K form: q [out, in] in [0, 15], uint8 codes [out, in / 32], float16
-        d and m [out, in / 256] (quasar.models.gguf_groups.q4k_superblocks)."""
+        d and m [out, in / 256] (quasar.models.gguf_groups.q4k_codes)."""
         out_features, in_features = q.shape
         layer = cls(in_features, out_features, 32, bias is not None, q4k=True)
-        for name, t, dtype in (("scales", scale_codes, torch.uint8), ("offsets", offset_codes, torch.uint8),
-                               ("super_scales", super_scales, SCALE_DTYPE),
-                               ("super_offsets", super_offsets, SCALE_DTYPE)):
-            want = getattr(layer, name)
-            if t.shape != want.shape or t.dtype != dtype:
-                raise QuasarError(f"W4A8 Q4_K {name}: expected {dtype} {tuple(want.shape)}, got {t.dtype} "
-                                  f"{tuple(t.shape)}")
-            setattr(layer, name, t.detach().contiguous().clone())
+        layer._take_buffers("W4A8 Q4_K", bias, scales=scale_codes, offsets=offset_codes, super_scales=super_scales,
+                            super_offsets=super_offsets)
         layer.qweight = pack_int4(q.to(torch.int8))
-        if bias is not None:
-            layer.bias = bias.detach().float().clone()
         return layer
+
+    def _take_buffers(self, what: str, bias: Tensor | None, **tensors: Tensor) -> None:
+        """Copies of `tensors` as the buffers of those names, each of the shape and dtype this
+        layer registered (else an error naming it), and of the bias as float32."""
+        for name, t in tensors.items():
+            want = getattr(self, name)
+            if t.shape != want.shape or t.dtype != want.dtype:
+                raise QuasarError(f"{what} {name}: expected {want.dtype} {tuple(want.shape)}, got {t.dtype} "
+                                  f"{tuple(t.shape)}")
+            setattr(self, name, t.detach().contiguous().clone())
+        if bias is not None:
+            self.bias = bias.detach().float().clone()
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group: int = 32) -> "W4A8Linear":

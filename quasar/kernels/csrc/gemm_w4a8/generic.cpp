@@ -21,9 +21,6 @@
 
 namespace quasar {
 
-// Plain C++, the same sums and order as the SIMD kernels. Per step the inner loop is a 4-way
-// u8 x s8 dot product for each of 16 lanes, once for the low nibbles and once for the high:
-// where a NEON `udot`/`usdot` over the unpacked nibbles (vandq / vshrq) would slot in.
 void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, float* offset) {
   uint16_t sc[kW4Lanes], of[kW4Lanes];
   if (!w4_superblocks(form)) {
@@ -37,7 +34,7 @@ void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, 
     return;
   }
   const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
-  const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
+  const uint8_t* codes = w4_group_codes(vec, g, form);
   std::memcpy(sc, h, sizeof sc);
   std::memcpy(of, h + sizeof sc, sizeof of);
   for (int64_t i = 0; i < kW4Lanes; ++i) {  // exact: 11 significant bits times at most 8
@@ -58,7 +55,7 @@ void q6k_rows_portable(const uint8_t* vec, int64_t K, const W4Acts& a, int64_t r
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
       const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
-      const int8_t* sub = reinterpret_cast<const int8_t*>(h + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes);
+      const int8_t* sub = reinterpret_cast<const int8_t*>(w4_group_codes(vec, g, kW4Q6K));
       int32_t s[2][kW4Lanes] = {};
       for (int64_t st = 0; st < 4; ++st) {
         const uint8_t* c = p + 64 * st;

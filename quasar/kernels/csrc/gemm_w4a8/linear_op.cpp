@@ -54,20 +54,16 @@ at::Tensor check_q(const at::Tensor& q) {
   return q.contiguous();
 }
 
-// Lane i of vector v's nibble bytes of group g (its 64 * group / 8 bytes at `blk`) from the
-// row n of q [N, K]; returns the bits past 4 that any value had (nonzero: out of range).
-uint8_t pack_lane_nibbles(const uint8_t* qs, int64_t N, int64_t K, int64_t n, int64_t g, int64_t group, int64_t i,
+// Lane i's nibble bytes of group g (at `blk`, 64 * group / 8 bytes for 16 lanes) from row n
+// of q [N, K]; returns the bits past 4 that any value had (nonzero: out of range).
+uint8_t pack_lane_nibbles(const uint8_t* qs, int64_t K, int64_t n, int64_t g, int64_t group, int64_t i,
                           uint8_t* blk) {
   uint8_t bad = 0;
   for (int64_t st = 0; st < group / 8; ++st)
     for (int j = 0; j < 4; ++j) {
-      uint8_t byte = 0;
-      if (n < N) {
-        const uint8_t* col = qs + n * K + g * group + 8 * st + j;
-        bad |= col[0] | col[4];
-        byte = static_cast<uint8_t>(col[0] | col[4] << 4);
-      }
-      blk[64 * st + 4 * i + j] = byte;
+      const uint8_t* col = qs + n * K + g * group + 8 * st + j;
+      bad |= col[0] | col[4];
+      blk[64 * st + 4 * i + j] = static_cast<uint8_t>(col[0] | col[4] << 4);
     }
   return bad;
 }
@@ -100,31 +96,22 @@ at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
   const int64_t G = K / group;
   const at::Tensor sc = group_params(scales, N, G, "scales", at::kHalf, "[N, K / group]"),
                    oc = group_params(offsets, N, G, "offsets", at::kHalf, "[N, K / group]");
-  at::Tensor out = at::empty({quasar::w4_packed_bytes(N, K, group)}, q.options().dtype(at::kByte));
+  at::Tensor out = at::zeros({quasar::w4_packed_bytes(N, K, group)}, q.options().dtype(at::kByte));
   const uint8_t* qs = static_cast<const uint8_t*>(qc.data_ptr());  // int8 0..15 reads the same
   const uint16_t *s = static_cast<const uint16_t*>(sc.data_ptr()), *o = static_cast<const uint16_t*>(oc.data_ptr());
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t vb = quasar::w4_vector_bytes(K, group), gb = quasar::w4_group_bytes(group);
-  const int64_t vectors = (N + quasar::kW4Lanes - 1) / quasar::kW4Lanes;
-  std::atomic<bool> out_of_range{false};
-  at::parallel_for(0, vectors, 1, [&](int64_t v0, int64_t v1) {
-    uint8_t bad = 0;
-    for (int64_t v = v0; v < v1; ++v)
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* blk = dst + v * vb + g * gb;
-        uint16_t lane_s[quasar::kW4Lanes], lane_o[quasar::kW4Lanes];
-        for (int64_t i = 0; i < quasar::kW4Lanes; ++i) {
-          const int64_t n = v * quasar::kW4Lanes + i;
-          lane_s[i] = n < N ? s[n * G + g] : uint16_t{0};
-          lane_o[i] = n < N ? o[n * G + g] : uint16_t{0};
-          bad |= pack_lane_nibbles(qs, N, K, n, g, group, i, blk);
-        }
-        std::memcpy(blk + 8 * group, lane_s, sizeof lane_s);
-        std::memcpy(blk + 8 * group + sizeof lane_s, lane_o, sizeof lane_o);
-      }
-    if (bad & 0xF0) out_of_range.store(true, std::memory_order_relaxed);
+  const int64_t vb = quasar::w4_vector_bytes(K, group), gb = quasar::w4_group_bytes(group), L = quasar::kW4Lanes;
+  const uint8_t bad = each_lane(N, [&](int64_t v, int64_t i, int64_t n) {
+    uint8_t wide = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* blk = dst + v * vb + g * gb;
+      std::memcpy(blk + 8 * group + 2 * i, s + n * G + g, 2);
+      std::memcpy(blk + 8 * group + 2 * L + 2 * i, o + n * G + g, 2);
+      wide |= pack_lane_nibbles(qs, K, n, g, group, i, blk);
+    }
+    return wide;
   });
-  TORCH_CHECK(!out_of_range.load(), "w4_pack: q must hold 4-bit values 0..15 (found one outside)");
+  TORCH_CHECK(!(bad & 0xF0), "w4_pack: q must hold 4-bit values 0..15 (found one outside)");
   return out;
 }
 
@@ -135,7 +122,7 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
                        const at::Tensor& super_scales, const at::Tensor& super_offsets) {
   const at::Tensor qc = check_q(q);
   const int64_t N = qc.size(0), K = qc.size(1), form = quasar::kW4Q4K, group = quasar::w4_group_size(form);
-  check_shape(N, K, form, "w4_pack_q4k");  // also the superblocks' pointers below
+  check_shape(N, K, form, "w4_pack_q4k");
   const int64_t G = K / group, S = G / quasar::kW4SuperGroups;
   const at::Tensor c = group_params(scale_codes, N, G, "scale codes", at::kByte, "[N, K / 32]"),
                    o = group_params(offset_codes, N, G, "offset codes", at::kByte, "[N, K / 32]"),
@@ -150,15 +137,16 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
   const uint8_t bad = each_lane(N, [&](int64_t v, int64_t i, int64_t n) {
     uint8_t wide = 0;
     for (int64_t g = 0; g < G; ++g) {
-      uint8_t* h = dst + v * vb + g / quasar::kW4SuperGroups * quasar::kW4SuperBytes;  // the Q4_K form's
+      uint8_t* h = const_cast<uint8_t*>(quasar::w4_superblock(dst + v * vb, g / quasar::kW4SuperGroups, form));
       if (g % quasar::kW4SuperGroups == 0) {
         std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
         std::memcpy(h + 2 * L + 2 * i, ms + n * S + g / quasar::kW4SuperGroups, 2);
       }
-      h[4 * L + 2 * L * (g % quasar::kW4SuperGroups) + i] = cs[n * G + g];
-      h[4 * L + 2 * L * (g % quasar::kW4SuperGroups) + L + i] = os[n * G + g];
+      uint8_t* codes = const_cast<uint8_t*>(quasar::w4_group_codes(dst + v * vb, g, form));
+      codes[i] = cs[n * G + g];
+      codes[L + i] = os[n * G + g];
       uint8_t* blk = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
-      wide |= pack_lane_nibbles(qs, N, K, n, g, group, i, blk);
+      wide |= pack_lane_nibbles(qs, K, n, g, group, i, blk);
     }
     return wide;
   });
@@ -185,9 +173,9 @@ at::Tensor w4_pack_q6k(const at::Tensor& q, const at::Tensor& sub_scales, const 
   const uint8_t bad = each_lane(N, [&](int64_t v, int64_t i, int64_t n) {
     uint8_t wide = 0;
     for (int64_t g = 0; g < G; ++g) {
-      uint8_t* h = dst + v * vb + g / quasar::kW4SuperGroups * quasar::kW4Q6KBytes;
+      uint8_t* h = const_cast<uint8_t*>(quasar::w4_superblock(dst + v * vb, g / quasar::kW4SuperGroups, form));
       if (g % quasar::kW4SuperGroups == 0) std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
-      uint8_t* sub = h + 2 * L + g % quasar::kW4SuperGroups * 2 * L;
+      uint8_t* sub = const_cast<uint8_t*>(quasar::w4_group_codes(dst + v * vb, g, form));
       sub[i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g]);
       sub[L + i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g + 1]);
       uint8_t* p = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));

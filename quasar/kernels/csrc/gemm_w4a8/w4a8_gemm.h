@@ -75,6 +75,12 @@ constexpr int64_t w4_k_multiple(int64_t form) {
 inline const uint8_t* w4_superblock(const uint8_t* vec, int64_t s, int64_t form) {
   return vec + s * (w4_is_q6k(form) ? kW4Q6KBytes : kW4SuperBytes);
 }
+// Group g's 32 parameter bytes in its superblock's header: the Q4_K form's 16 c then 16 o (after
+// d and m), the Q6_K form's 16 s of columns 0..15 then 16 of 16..31 (after d).
+inline const uint8_t* w4_group_codes(const uint8_t* vec, int64_t g, int64_t form) {
+  return w4_superblock(vec, g / kW4SuperGroups, form) + (w4_is_q6k(form) ? 2 : 4) * kW4Lanes +
+         g % kW4SuperGroups * 2 * kW4Lanes;
+}
 // Group g's nibbles in a vector (in the Q6_K form its high bits follow them).
 inline const uint8_t* w4_group_nibbles(const uint8_t* vec, int64_t g, int64_t form) {
   if (w4_is_q6k(form))

@@ -35,12 +35,12 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilog
     const uint8_t* vec, const uint8_t* p, int64_t group, const W4Acts& a, int64_t g, const __m256i (&s)[R][2],
     __m256 (&acc)[R][2], bool pf) {
   const uint8_t* so = p + 8 * group;
-  const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q4K);
-  const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
   if (!SB && pf) prefetch(so + kPrefetchBytes);
   for (int half = 0; half < 2; ++half) {
     __m256 sc, of;
     if constexpr (SB) {
+      const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q4K);
+      const uint8_t* codes = w4_group_codes(vec, g, kW4Q4K);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * half)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 32 + 16 * half)));
       const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * half)));
@@ -58,12 +58,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilog
       acc[r][half] = _mm256_add_ps(_mm256_add_ps(acc[r][half], t), _mm256_mul_ps(xs, of));
     }
   }
-}
-
-// The superblock header's lines, prefetched with its first group (SB).
-__attribute__((always_inline)) inline void prefetch_header(const uint8_t* p, int64_t g) {
-  if (g % kW4SuperGroups == 0)
-    for (int64_t l = 0; l < kW4SuperHeaderBytes; l += 64) prefetch(p - kW4SuperHeaderBytes + l + kPrefetchBytes);
 }
 
 // Each of R rows' activations of columns k..k+3 and k+4..k+7, four bytes broadcast to every lane.
@@ -98,7 +92,7 @@ template <int R>
 __attribute__((target("avx2,f16c"), always_inline)) inline void q6k_epilogue_256(
     const uint8_t* vec, const W4Acts& a, int64_t g, const __m256i (&s)[R][2][2], __m256 (&acc)[R][2]) {
   const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
-  const int8_t* sub = reinterpret_cast<const int8_t*>(h + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes);
+  const int8_t* sub = reinterpret_cast<const int8_t*>(w4_group_codes(vec, g, kW4Q6K));
   for (int half = 0; half < 2; ++half) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * half)));
     const __m256i ua = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * half)));
@@ -117,11 +111,8 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void q6k_epilogue_256
 
 // The prefetches of a Q6_K group's lines (its header's with the superblock's first group).
 __attribute__((always_inline)) inline void q6k_prefetch(const uint8_t* vec, const uint8_t* p, int64_t g) {
-  if (g % kW4SuperGroups == 0) {
-    const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
-    for (int64_t l = 0; l < kW4Q6KHeaderBytes; l += 64) prefetch(h + l + kPrefetchBytes);
-  }
-  for (int64_t l = 0; l < kW4Q6KGroupBytes; l += 64) prefetch(p + l + kPrefetchBytes);
+  if (g % kW4SuperGroups == 0) prefetch_lines(w4_superblock(vec, g / kW4SuperGroups, kW4Q6K), kW4Q6KHeaderBytes);
+  prefetch_lines(p, kW4Q6KGroupBytes);
 }
 
 // AVX2: vpmaddubsw of 6-bit columns (at most 63) and activations (|q| <= 128) is at most
@@ -177,7 +168,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && pf) prefetch_header(p, g);
+    if (SB && pf && g % kW4SuperGroups == 0) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes);
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -222,7 +213,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && pf) prefetch_header(p, g);
+    if (SB && pf && g % kW4SuperGroups == 0) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes);
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 16

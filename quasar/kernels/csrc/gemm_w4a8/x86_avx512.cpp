@@ -38,8 +38,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && pf && g % kW4SuperGroups == 0)
-      for (int64_t l = 0; l < kW4SuperHeaderBytes; l += 64) prefetch(p - kW4SuperHeaderBytes + l + kPrefetchBytes);
+    if (SB && pf && g % kW4SuperGroups == 0) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes);
     __m512i sl[R], sh[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
@@ -60,7 +59,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
     __m512 sc, of;
     if constexpr (SB) {  // d * c and m * o, exact in float32
       const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
-      const uint8_t* codes = h + 4 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
+      const uint8_t* codes = w4_group_codes(vec, g, form);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
       const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
@@ -99,8 +98,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(cons
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
     const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
-    if (pf && g % kW4SuperGroups == 0)
-      for (int64_t l = 0; l < kW4Q6KHeaderBytes; l += 64) prefetch(h + l + kPrefetchBytes);
+    if (pf && g % kW4SuperGroups == 0) prefetch_lines(h, kW4Q6KHeaderBytes);
     __m512i sa[R], sb[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm512_setzero_si512();
@@ -123,7 +121,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(cons
         s = _mm512_dpbusd_epi32(s, hi, _mm512_set1_epi32(load_u32(x + 4)));
       }
     }
-    const int8_t* sub = reinterpret_cast<const int8_t*>(h + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes);
+    const int8_t* sub = reinterpret_cast<const int8_t*>(w4_group_codes(vec, g, kW4Q6K));
     const __m512i ua = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
     const __m512i ub = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kW4Lanes)));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));

@@ -24,6 +24,12 @@ inline int32_t load_u32(const int8_t* p) {
 
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
+// The lines of `bytes` bytes at p, each asked for kPrefetchBytes ahead (a superblock's header
+// with its first group; a Q6_K group's lines).
+inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
+  for (int64_t l = 0; l < bytes; l += 64) prefetch(p + l + kPrefetchBytes);
+}
+
 // A kernel for one form (STEPS = group / 8 a template argument) and row count, in tables
 // indexed by form_index: groups of 32, 64, 128 with float16 parameters, then the Q4_K form,
 // then the Q6_K form.
