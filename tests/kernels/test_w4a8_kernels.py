@@ -127,6 +127,28 @@ def test_extremes(w4_path, group: int) -> None:
         assert torch.equal(w4_path(x, packed, n, k, group, b), reference_linear_w4a8(x, q, scales, offsets, b, group))
 
 
+def test_activation_rounding_and_non_finite_values(w4_path) -> None:
+    """The activation quantizer (vectorized from the AVX2 path up) on its edge cases: ties
+    x / s = k + 1/2 round to even, groups below the smallest scale quantize to 0, and a row
+    with an inf or a NaN is NaN in every output while the rows beside it are exact."""
+    k, n, group = 256, 24, 32
+    gen = torch.Generator().manual_seed(11)
+    q, scales, offsets = _weights(gen, n, k, group)
+    packed = _pack(q, scales, offsets, group)
+    x = torch.randn(5, k, generator=gen)
+    x[0, :group] = torch.arange(group) - 15.5  # with +-127 below: s = 1, every value a tie
+    x[0, 0], x[0, 1] = 127.0, -127.0
+    x[0, 2 * group:3 * group] = 1e-20  # amax under 127e-12: the scale is clamped
+    x[1, ::3] = 0.5  # ties at every third column once the group's scale is 1
+    x[1, 5::group] = 127.0
+    want = reference_linear_w4a8(x[:3], q, scales, offsets, None, group)
+    x[3, 40] = float("inf")
+    x[4, 200] = float("nan")
+    got = w4_path(x, packed, n, k, group, None)
+    assert torch.equal(got[:3], want)
+    assert got[3:].isnan().all()
+
+
 def _q4k_weights(gen: torch.Generator, n: int, k: int):
     """q, the codes c and o (all 8 bits, beyond Q4_K's 6), float16 d and m (m of either sign)."""
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)

@@ -48,13 +48,15 @@ QUASAR_INLINE int32_t round_to_int(float v) {
   return r == r ? static_cast<int32_t>(r) : 0;  // NaN (inf / inf, NaN input) -> 0
 }
 
-// A row's activation scale, as quantize_activation computes it for |q| <= limit (127, or
-// 16383 for 15 bits): amax.clamp_min_(limit * 1e-12).div_(limit), the double scalars cast
-// to float; NaN propagates.
-QUASAR_INLINE float row_scale(const float* r, int64_t k_len, double limit) {
+// A row's activation scale from its amax (amax_scale) or its values (row_scale), as
+// quantize_activation computes it for |q| <= limit (127, or 16383 for 15 bits):
+// amax.clamp_min_(limit * 1e-12).div_(limit), the double scalars cast to float; NaN propagates.
+QUASAR_INLINE float amax_scale(float amax, double limit) {
   const float min_amax = static_cast<float>(limit * 1e-12);
-  const float amax = row_absmax(r, k_len);
   return (amax == amax ? (amax < min_amax ? min_amax : amax) : amax) / static_cast<float>(limit);
+}
+QUASAR_INLINE float row_scale(const float* r, int64_t k_len, double limit) {
+  return amax_scale(row_absmax(r, k_len), limit);
 }
 
 }  // namespace quasar

@@ -140,7 +140,7 @@ void StepGemm::quantize(const float* x, int64_t r0, int64_t r1) const {
   if (in_->n_w4) {
     const int64_t G = K / in_->group;
     w4_quantize_groups(x + r0 * K, nr, K, in_->group, acts_->w4q.data() + at * K, acts_->w4sx.data() + at * G,
-                       acts_->w4xs.data() + at * G, acts_->w4xh.data() + at * 2 * G);
+                       acts_->w4xs.data() + at * G, acts_->w4xh.data() + at * 2 * G, path_);
   }
 }
 

@@ -139,9 +139,12 @@ void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, 
 
 // The activations' side of the contract (generic.cpp): x [M, K] float32 (K a multiple of
 // group) -> q int8 [M, K], sx and xs float [M, K / group], xh int32 [M, 2 K / group], one
-// row at a time.
+// row at a time; `path` (one the CPU runs) picks the loop: the portable one, or from AVX2 up
+// w4_quantize_groups_avx2 (x86_avx2.cpp), the same bits.
 void w4_quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs,
-                        int32_t* xh);
+                        int32_t* xh, KernelPath path);
+void w4_quantize_groups_avx2(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* sx, float* xs,
+                             int32_t* xh);
 
 // The path whose W4A8 kernel serves kernel path p (amx: the AVX512-VNNI kernel; a path the
 // self-check disabled: the next lower one the CPU runs); -1 if none. w4_kernel: that path's

@@ -17,6 +17,7 @@
 // the hardware prefetcher streams faster alone (on some CPUs) the caller passes prefetch =
 // false to one-row passes past each stream's start (prefetch_whole_stream).
 #include "gemm_w4a8/w4a8_gemm.h"
+#include "common/activation_quant.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #include "gemm_w4a8/x86_common.h"
@@ -290,6 +291,58 @@ void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts&
 #endif
 }
 
+namespace {
+__attribute__((target("avx2"), always_inline)) inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+__attribute__((target("avx2"), always_inline)) inline uint32_t hmax_epu32(__m256i v) {
+  __m128i s = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_max_epu32(s, _mm_shuffle_epi32(s, 0x4E));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_max_epu32(s, _mm_shuffle_epi32(s, 0xB1))));
+}
+}  // namespace
+
+// w4_quantize_groups in 8-float registers (GCC leaves the portable loop's division scalar):
+// the same amax (an integer max of the bit patterns), IEEE division and rounding, and exact
+// integer sums; the int8s pack with saturation, which cannot bind (|q| <= 127). The AVX512
+// paths run it too: 16-float registers gained nothing here.
+__attribute__((target("avx2"))) void w4_quantize_groups_avx2(const float* x, int64_t M, int64_t K, int64_t group,
+                                                             int8_t* q, float* sx, float* xs, int32_t* xh) {
+  const int64_t groups = K / group, half = group / 2;
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256 magic = _mm256_set1_ps(12582912.0f);  // round_to_int's 1.5 * 2**23
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* r = x + m * K + g * group;
+      __m256i bits = _mm256_setzero_si256();
+      for (int64_t k = 0; k < group; k += 8)
+        bits = _mm256_max_epu32(bits, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + k)),
+                                                       abs_mask));
+      const float s = amax_scale(bits_float(hmax_epu32(bits)), 127.0);
+      const __m256 vs = _mm256_set1_ps(s);
+      int8_t* o = q + m * K + g * group;
+      int32_t sums[2];
+      for (int h = 0; h < 2; ++h) {
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t k = h * half; k < (h + 1) * half; k += 8) {
+          const __m256 v = _mm256_sub_ps(_mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(r + k), vs), magic), magic);
+          const __m256 ordered = _mm256_cmp_ps(v, v, _CMP_ORD_Q);  // NaN -> 0, as round_to_int
+          const __m256i n = _mm256_and_si256(_mm256_cvtps_epi32(v), _mm256_castps_si256(ordered));
+          const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(o + k), _mm_packs_epi16(w, w));
+          sum = _mm256_add_epi32(sum, n);
+        }
+        sums[h] = hsum_epi32(sum);
+      }
+      sx[m * groups + g] = s;
+      xs[m * groups + g] = static_cast<float>(sums[0] + sums[1]) * s;
+      xh[m * 2 * groups + 2 * g] = sums[0];
+      xh[m * 2 * groups + 2 * g + 1] = sums[1];
+    }
+}
+
 }  // namespace quasar
 
 #else  // not x86: these paths never run (cpu_runs is false), but the library links
@@ -297,6 +350,9 @@ void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts&
 namespace quasar {
 void w4_rows_avx2(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*, bool) { __builtin_trap(); }
 void w4_rows_avx_vnni(const uint8_t*, int64_t, int64_t, const W4Acts&, int64_t, float*, bool) { __builtin_trap(); }
+void w4_quantize_groups_avx2(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, int32_t*) {
+  __builtin_trap();
+}
 }  // namespace quasar
 
 #endif
