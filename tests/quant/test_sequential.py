@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,7 @@ def test_sequential_is_as_faithful_as_the_whole_model_reference(monkeypatch):
     (QUASAR_ISA=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2) seq 96.63% / 0.003233 against whole
     96.75% / 0.003137, 3% apart the other way; the margins cover both."""
     from quasar.data.calibration import calibration_texts
-    from quasar.eval.fidelity import compare_models
+    from quasar.eval.fidelity import compare_logits, model_logits
     from quasar.runtime import fused_step
 
     monkeypatch.setenv(fused_step.ENV_KV_DTYPE, "fp32")
@@ -108,10 +109,11 @@ def test_sequential_is_as_faithful_as_the_whole_model_reference(monkeypatch):
     loaded = load_model("default")
     held_out = "\n".join(calibration_texts(part="heldout").values())
     ids = loaded.tokenizer.encode(held_out)[:6000]
-    scores = {}
-    for mode in ("quantized", "float"):
-        q = build_w8a8(loaded.model, loaded.tokenizer, propagate=mode, progress=False)
-        scores[mode] = compare_models(loaded.model, q, ids, window=512)
+    models = {mode: build_w8a8(loaded.model, loaded.tokenizer, propagate=mode, progress=False)
+              for mode in ("quantized", "float")}
+    with ExitStack() as stack:  # one pass of the float model scores both
+        open_ = {mode: stack.enter_context(model_logits(q, 512)) for mode, q in models.items()}
+        scores = compare_logits(stack.enter_context(model_logits(loaded.model, 512)), open_, ids, window=512)
     seq, ref = scores["quantized"], scores["float"]
     assert seq["top1_agreement"] >= ref["top1_agreement"] - 0.002, scores
     assert seq["kl_mean"] <= ref["kl_mean"] * 1.05, scores
