@@ -238,6 +238,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   std::vector<int32_t> xh(2 * M * G);
   const int64_t gs = quasar::w4_group_size(group);
   const float* xp = xf.data_ptr<float>();
+  // rows apart on the threads (each row is quantized alone), >= 16K activations a task
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t{1} << 14) / K), [&](int64_t m0, int64_t m1) {
     quasar::w4_quantize_groups(xp + m0 * K, m1 - m0, K, gs, q.data() + m0 * K, sx.data() + m0 * G,
                                xs.data() + m0 * G, xh.data() + m0 * 2 * G, static_cast<KernelPath>(p));
