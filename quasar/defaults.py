@@ -28,7 +28,7 @@ DEFAULT_ADAPTIVE = True
 # The tree drafter (`--drafter tree`): at most this many draft nodes per step, and how many
 # of the verifier's top next tokens per verified row it recycles. Each step verifies only
 # the nodes likely enough to pay for their rows (DraftTree.worth_keeping at the verifier's
-# row cost) and at most one pass of the fused step's GEMMs (Transformer.pass_rows: 16 rows
+# row prices) and at most one pass of the fused step's GEMMs (Transformer.pass_rows: 16 rows
 # with AMX, 6 with VNNI alone, i.e. 5 nodes whatever the budget). With AMX, 15 nodes (one
 # pass with the pending token) keep the acceptance length of the largest trees while smaller
 # budgets decode about as fast but accept less; larger models, whose rows are relatively

@@ -281,6 +281,10 @@ class Transformer(nn.Module):
         # no such step): what tree drafts are sized by (the fused W8A8 step sets its own).
         self.row_cost = DEFAULT_ROW_COST
         self.pass_rows: int | None = None
+        # Once measured, what rows 2, 3, ... each add to a step (the same fraction; the last
+        # holds past its end): steps that hide a few rows under the weight stream price them
+        # apart from the dearer ones after (None: row_cost each).
+        self.row_prices: tuple[float, ...] | None = None
         # The measured step times behind them, once measured on this CPU (quasar.runtime.step_cost).
         self.step_costs = None
         # A one-row step's extra time per cached key, as a fraction of its time without

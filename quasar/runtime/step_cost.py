@@ -6,15 +6,22 @@ one-row step where the GEMMs have arithmetic to spare while the weights stream i
 tiles; a large model) and real time where they do not (AVX2's int8 products; a small model
 whose weights sit in L3). Rather than guessing from the CPU's name, :func:`measure` times
 steps of ``PROBE_ROWS`` rows of the model on the active kernel path, interleaved round by
-round, and caches the fastest of each (other processes only ever add time) under the model's shapes, the kernel path and build and the
-thread count (``$QUASAR_CACHE/step_costs``). :class:`StepCosts` turns them into what the
-decoder weighs drafts with:
+round, and caches them under the model's shapes, the kernel path and build and the thread
+count (``$QUASAR_CACHE/step_costs``): the fastest one-row step (other processes only ever
+add time) and, for more rows, the median of each round's ratio to that round's one-row step
+(a shared host's memory bandwidth drifts over minutes; within a round it holds, so ratios
+read within one round agree where the fastest times of each row count, taken in different
+rounds, need not). :class:`StepCosts` turns them into what the decoder weighs drafts with:
 
 - ``pass_rows``: the most probed rows a step takes while each row past the first costs at
   most ``CHEAP_ROW`` of a one-row step (at least ``MIN_PASS_ROWS``, a chain of k = 5
   drafts): the rows a tree may use;
 - ``row_cost``: the least-squares slope of the step's time over its rows up to
   ``pass_rows``, as a fraction of a one-row step (``Transformer.row_cost``);
+- ``row_prices``: what each row past the first adds, read off the probed times (between
+  probes linearly): where a step's GEMMs hide a few rows under the weight stream and then
+  pay for each, one slope would price the free rows and the dear ones alike
+  (``Transformer.row_prices``, what tree drafts are sized by);
 - ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``;
 - ``prefers_trees``: rows are cheap or a one-row step takes ``TREE_STEP_SECONDS`` or more, so
   ``--drafter auto`` drafts trees;
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -56,6 +64,8 @@ PROBE_ROWS = (1, 2, 4, 8, 16)
 # AMX steps stay under it to 16 rows; the AVX512-VNNI kernel's second pass over each weight
 # tile (7+ rows) and AVX2's int8 products (three instructions a product pair) do not.
 CHEAP_ROW = 0.04
+# The least a row is priced at: rows are never free to the host (it proposes and scores them).
+MIN_ROW_PRICE = 0.005
 MIN_PASS_ROWS = 6  # the pending token and a chain of 5 drafts: never fewer
 TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
 # A one-row step at least this long is worth drafting trees for even where rows are dear: the
@@ -64,9 +74,9 @@ TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
 # that pay, so it beats the chain, which drafts up to k tokens on any n-gram match. Shorter
 # steps (the default model's) lose to the chain: the host's share is larger there.
 TREE_STEP_SECONDS = 0.010
-_ROUNDS = 5
+_ROUNDS = 7
 _PROMPT_TOKENS = 32
-_VERSION = 2  # of the probe: a change here invalidates cached results
+_VERSION = 3  # of the probe: a change here invalidates cached results
 # Kernel paths whose int8 one-row passes can leave their stream to the hardware prefetcher
 # (the W4A8 kernels can on every path but the portable one).
 PREFETCH_CHOICE_PATHS = ("avx2", "avx-vnni")
@@ -207,7 +217,20 @@ class StepCosts:
     def row_cost(self) -> float:
         ks = [k for k in self.rows if 1 < k <= max(self.pass_rows, 2)]
         slope = sum((k - 1) * (self.ratio(k) - 1.0) for k in ks) / sum((k - 1) ** 2 for k in ks)
-        return min(1.0, max(0.005, slope))
+        return min(1.0, max(MIN_ROW_PRICE, slope))
+
+    @property
+    def row_prices(self) -> tuple[float, ...]:
+        """What rows 2, 3, ... up to the most probed add to a step, each as a fraction of a
+        one-row step: the probed times joined by straight lines, never falling (a probe faster
+        than one of fewer rows was noise), at least MIN_ROW_PRICE a row."""
+        ratios = [1.0]
+        for k in range(2, self.rows[-1] + 1):
+            hi = next(i for i, r in enumerate(self.rows) if r >= k)
+            k0, k1 = self.rows[hi - 1], self.rows[hi]
+            at_k = self.ratio(k0) + (self.ratio(k1) - self.ratio(k0)) * (k - k0) / (k1 - k0)
+            ratios.append(max(ratios[-1], at_k))
+        return tuple(max(MIN_ROW_PRICE, b - a) for a, b in zip(ratios, ratios[1:]))
 
     @property
     def rows_are_cheap(self) -> bool:
@@ -228,10 +251,11 @@ def _cache_key(model: nn.Module, path: str) -> str:
 
 
 def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], bool | None]:
-    """The fastest time of a step of each of PROBE_ROWS rows after a short prompt, in a cache of
-    its own (the model's cache is put back). choose_prefetch: one-row steps are timed with the
-    whole stream prefetched and with only its starts, in turn, and the faster way is returned
-    with its time (else None and the current way's)."""
+    """The time of a step of each of PROBE_ROWS rows after a short prompt, in a cache of its own
+    (the model's cache is put back): the fastest one-row step, and the k-row steps as that
+    times the median ratio of a round's k-row step to its one-row step. choose_prefetch:
+    one-row steps are timed with the whole stream prefetched and with only its starts, in
+    turn, and the faster way is returned with its time (else None and the current way's)."""
     saved, saved_prefetch, saved_costs = model.cache, ext.prefetch_whole_stream(), model.step_costs
     model.cache = None
     model.step_costs = None  # else the fused step would set its earlier choice over the probe's
@@ -253,7 +277,10 @@ def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], 
                         model.step(rows)
                         times.setdefault((k, way), []).append(time.perf_counter() - t0)
         best = min(ways, key=lambda way: min(times[(1, way)]))
-        seconds = tuple(min(times[(k, best if k == 1 else saved_prefetch)]) for k in PROBE_ROWS)
+        one = times[(1, saved_prefetch)]  # each round's one-row step, beside its k-row ones
+        seconds = tuple(min(times[(1, best)]) if k == 1 else
+                        min(one) * statistics.median(t / o for t, o in zip(times[(k, saved_prefetch)], one))
+                        for k in PROBE_ROWS)
         return seconds, (best if choose_prefetch else None)
     finally:
         model.cache, model.step_costs = saved, saved_costs
@@ -292,10 +319,11 @@ def _plausible(seconds: tuple[float, ...]) -> bool:
 
 
 def install_measured(model: nn.Module) -> StepCosts | None:
-    """Set `model`'s row cost and pass rows from its measured step costs (None: unchanged)."""
+    """Set `model`'s row cost, row prices and pass rows from its measured step costs (None:
+    unchanged)."""
     costs = measure(model)
     if costs is not None:
-        model.row_cost, model.pass_rows = costs.row_cost, costs.pass_rows
+        model.row_cost, model.row_prices, model.pass_rows = costs.row_cost, costs.row_prices, costs.pass_rows
         model.step_costs = costs
         if costs.prefetch_whole is not None:  # the fused step sets it again before each of its calls
             ext.prefetch_whole_stream(costs.prefetch_whole)

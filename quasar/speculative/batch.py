@@ -110,7 +110,7 @@ class BatchDecoder:
         if key in self.entries:
             raise ValueError(f"key {key!r} is decoding already")
         seq = Sequence(prompt_ids, drafter, opts, self.tokenizer, self.cache.max_seq_len, self.model.row_cost,
-                       self.model.pass_rows, self.model.key_cost)
+                       self.model.pass_rows, self.model.key_cost, self.model.row_prices)
         slot = self.free.pop(0)
         self.cache.lengths[slot] = 0
         self.entries[key] = _Entry(key, seq, slot)

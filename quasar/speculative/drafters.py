@@ -7,6 +7,7 @@ needs a rollback: the generate loop calls `extend` with what it emits, nothing e
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,18 +46,19 @@ class DraftTree:
             return self
         return DraftTree(self.tokens[:n], self.parents[:n], None if self.probs is None else self.probs[:n])
 
-    def worth_keeping(self, row_cost: float, max_nodes: int | None = None) -> int:
+    def worth_keeping(self, row_prices: Sequence[float], max_nodes: int | None = None) -> int:
         """How many of the first nodes to verify: the count m <= max_nodes that maximises the
-        expected tokens a step emits, 1 + the sum of the kept nodes' probs, per its cost,
-        1 + row_cost * m (row_cost: the extra time of one more row, as a fraction of a one-row
-        step). All nodes when there are no probs."""
+        expected tokens a step emits, 1 + the sum of the kept nodes' probs, per its cost, 1 +
+        the prices of their rows (row_prices[i]: what node i's row adds, as a fraction of a
+        one-row step; the last price holds past the end). All nodes when there are no probs."""
         if self.probs is None:
             return len(self)
-        best_m, best, gain = 0, 1.0, 1.0
+        best_m, best, gain, cost = 0, 1.0, 1.0, 1.0
         for m, p in enumerate(self.probs[:max_nodes], start=1):
             gain += p
-            if gain / (1.0 + row_cost * m) > best + 1e-12:
-                best_m, best = m, gain / (1.0 + row_cost * m)
+            cost += row_prices[min(m, len(row_prices)) - 1]
+            if gain / cost > best + 1e-12:
+                best_m, best = m, gain / cost
         return best_m
 
     def children(self, node: int) -> list[int]:

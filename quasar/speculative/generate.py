@@ -184,7 +184,7 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], drafter: Drafter, opts: DecodeOptions, tokenizer: Tokenizer,
                  max_seq_len: int, row_cost: float = DEFAULT_ROW_COST, pass_rows: int | None = None,
-                 key_cost: float = 0.0):
+                 key_cost: float = 0.0, row_prices: tuple[float, ...] | None = None):
         if not prompt_ids:
             raise QuasarError("the prompt is empty")
         if len(prompt_ids) >= max_seq_len:
@@ -196,8 +196,10 @@ class Sequence:
         # row_cost: the verifier's extra time per row over a one-row step (Transformer.row_cost);
         # draft lengths and tree sizes are chosen to pay for their rows at that price, and a
         # tree stays within pass_rows rows (Transformer.pass_rows: more cost another pass);
-        # key_cost (Transformer.key_cost) makes rows dearer as the context grows (row_cost_at).
+        # key_cost (Transformer.key_cost) makes rows dearer as the context grows (row_cost_at);
+        # row_prices (Transformer.row_prices), once measured, price rows 2, 3, ... apart.
         self.row_cost, self.pass_rows, self.key_cost = row_cost, pass_rows, key_cost
+        self.row_prices = row_prices or (row_cost,)
         k = opts.draft.num_draft
         self.adaptive = AdaptiveDraftLength(k_max=k + 3, start=k, token_cost=row_cost) \
             if opts.draft.adaptive_chain else None
@@ -236,8 +238,9 @@ class Sequence:
             k = min(k, max_draft)
         tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
         max_nodes = None if self.pass_rows is None else self.pass_rows - 1
-        cost = row_cost_at(self.row_cost, self.key_cost, len(self.prompt_ids) + len(self.out.ids))
-        self.tree = tree.limit(tree.worth_keeping(cost, max_nodes))  # the nodes worth their rows
+        n_keys = len(self.prompt_ids) + len(self.out.ids)
+        prices = [row_cost_at(price, self.key_cost, n_keys) for price in self.row_prices[:max(1, len(tree))]]
+        self.tree = tree.limit(tree.worth_keeping(prices, max_nodes))  # the nodes worth their rows
         return self._rows()
 
     def draft_probs(self) -> list[float]:

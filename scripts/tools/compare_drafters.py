@@ -4,8 +4,9 @@
         [--tasks code,qa] [--n 4] [--rounds 2] [--max-new-tokens 128]
 
 A config is `chain` (the n-gram chain, adaptive k), `chain:K` (its first draft length) or
-`tree:N` (tree drafts of at most N nodes), optionally `@COST` to price a row at COST of a
-one-row step instead of the verifier's own `row_cost` (what trees keep nodes by). Every
+`tree:N` (tree drafts of at most N nodes), optionally `@COST` to price every row at COST of
+a one-row step instead of the verifier's own prices (`row_prices` once measured, else
+`row_cost`: what trees keep nodes by). Every
 config decodes every prompt greedily with the same verifier (W8A8, or W4A8 with --verifier
 w4a8), one after another, round by round, so drifting machine load hits them alike; each
 prompt's fastest round counts. Tree configs keep their own recycling table across prompts,
@@ -89,20 +90,21 @@ def compare(llm: LLM, configs: list[Config], tasks: list[str], n: int, rounds: i
     prompts, _ = load_prompts(BenchConfig(tasks=tasks, n=n, max_new_tokens=max_new_tokens), llm)
     model = llm.verifier_model(verifier)
     table = llm.recycling_table(verifier)
-    own_cost = model.row_cost
+    own_cost, own_prices = model.row_cost, model.row_prices
     tables = {c: RecyclingTable() for c in configs}  # each config's table after its last run
     before: dict[tuple[Config, int], RecyclingTable] = {}  # the table before a prompt's first run
     runs: dict[tuple[Config, int], list[tuple[float, dict, list[int]]]] = {}
 
     def run(c: Config, i: int, ids: list[int]) -> None:
         table.restore(before.setdefault((c, i), tables[c]))
-        model.row_cost = own_cost if c.row_cost is None else c.row_cost
+        if c.row_cost is not None:  # one flat price for every row
+            model.row_cost, model.row_prices = c.row_cost, None
         size = {"num_draft": c.size} if c.drafter == "ngram" else {"draft_budget": c.size}
         try:
             res = llm.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, temperature=0.0, drafter=c.drafter,
                                verifier=verifier, **{k: v for k, v in size.items() if v is not None})
         finally:
-            model.row_cost = own_cost
+            model.row_cost, model.row_prices = own_cost, own_prices
         tables[c] = table.copy()
         runs.setdefault((c, i), []).append((res.stats["decode_s"], res.stats, list(res.token_ids)))
 

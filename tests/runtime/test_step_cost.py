@@ -39,6 +39,25 @@ def test_dear_rows_keep_a_chain_priced_at_their_cost():
     assert costs(1.0, 0.9, 0.9, 0.95, 1.0).row_cost == 0.005  # noise never prices rows below zero
 
 
+def test_row_prices_follow_the_probed_times_row_by_row():
+    """Rows hidden under the weight stream priced apart from the dearer ones after the knee:
+    the probed ratios joined by straight lines, each row the rise to it, never below
+    MIN_ROW_PRICE, and a probe that fell (noise) priced as flat."""
+    knee = costs(1.0, 1.0, 1.1, 1.8, 3.3)  # 2 rows free, then each row dearer
+    prices = knee.row_prices
+    assert len(prices) == PROBE_ROWS[-1] - 1  # rows 2 .. 16
+    assert prices[0] == step_cost.MIN_ROW_PRICE  # the second row: free, at the floor
+    assert prices[1:3] == pytest.approx([0.05, 0.05])  # rows 3, 4: (1.1 - 1.0) / 2 each
+    assert prices[3:7] == pytest.approx([0.175] * 4)  # rows 5-8: (1.8 - 1.1) / 4
+    assert prices[7:] == pytest.approx([0.1875] * 8)  # rows 9-16: (3.3 - 1.8) / 8
+    assert 1.0 + sum(prices[:7]) == pytest.approx(1.8 + step_cost.MIN_ROW_PRICE)  # 8 rows: the probe's time
+    assert knee.row_cost < prices[4]  # one slope up to pass_rows prices the dear rows too low
+    noisy = costs(1.0, 1.1, 1.05, 1.3, 1.6)  # 4 rows "faster" than 2
+    assert noisy.row_prices[1:3] == (step_cost.MIN_ROW_PRICE,) * 2
+    floor = step_cost.MIN_ROW_PRICE
+    assert 1.0 + sum(noisy.row_prices[:7]) == pytest.approx(1.3 + 2 * floor)  # 8 rows: still the probe's time
+
+
 def test_auto_drafts_trees_where_rows_are_cheap_or_the_step_is_long():
     """Dear rows keep the chain on a short step (135M, forced AVX2: trees 0.95x the chain) and
     take trees on a long one (1.5B: 1.01-1.19x), at the same ratios."""
@@ -72,6 +91,7 @@ def test_probe_times_the_fused_step_in_a_cache_of_its_own(tiny_w8a8):
     assert measured is not None and measured.kernel_path == ext.kernel_path()
     assert measured.rows == PROBE_ROWS and all(s > 0 for s in measured.seconds)
     assert q.step_costs is measured and (q.row_cost, q.pass_rows) == (measured.row_cost, measured.pass_rows)
+    assert q.row_prices == measured.row_prices
     assert q.cache is cache and q.cache.lengths == [0, 0]  # the model's own cache is untouched
 
 

@@ -83,6 +83,23 @@ def test_trees_keep_only_the_nodes_worth_their_rows(char_llm):
     assert runs[0.0].stats["drafted"] / runs[0.0].stats["steps"] > 8  # most of the budget
 
 
+def test_measured_row_prices_size_the_trees_row_by_row(char_llm, monkeypatch):
+    """Where the second draft row is free and the next one dear (a step that hides a few rows
+    under its weight stream), trees stop at that row; greedy output is unchanged."""
+    model = char_llm.verifier_model("fp")
+    step, rows_seen = model.step, []
+    monkeypatch.setattr(model, "step", lambda rows: rows_seen.append(len(rows.tokens)) or step(rows))
+    plain = char_llm.generate(REPETITIVE[0], raw=True, max_new_tokens=30, drafter="none", verifier="fp")
+    for free in (1, 2):
+        rows_seen.clear()
+        monkeypatch.setattr(model, "row_cost", 100.0)  # the flat price: never read once prices are set
+        monkeypatch.setattr(model, "row_prices", (0.0,) * free + (100.0,))
+        run = char_llm.generate(REPETITIVE[0], raw=True, max_new_tokens=30, drafter="tree", draft_budget=16,
+                                verifier="fp")
+        assert run.token_ids == plain.token_ids
+        assert max(rows_seen) == 1 + free and rows_seen.count(1 + free) > len(rows_seen) // 2, rows_seen
+
+
 def test_tree_options_are_checked(char_llm):
     with pytest.raises(QuasarError, match="draft_budget") as e:
         char_llm.check_options(drafter="tree", draft_budget=0)
@@ -291,7 +308,7 @@ def test_auto_drafter_follows_the_measured_step_costs(char_llm):
     model = char_llm.verifier_model("w8a8")
     costs = model.step_costs
     assert costs is not None and costs.kernel_path == ext.kernel_path()
-    assert (model.row_cost, model.pass_rows) == (costs.row_cost, costs.pass_rows)
+    assert (model.row_cost, model.row_prices, model.pass_rows) == (costs.row_cost, costs.row_prices, costs.pass_rows)
     expected = "tree" if costs.prefers_trees else "ngram"
     assert char_llm.resolve_drafter("auto", "w8a8") == expected
     assert char_llm.resolve_drafter("auto", "fp") == "ngram"  # the float verifier: the chain

@@ -176,20 +176,37 @@ def test_edge_probabilities_are_the_measured_table():
 
 
 def test_worth_keeping_pays_for_each_row():
-    """The kept prefix maximises (1 + sum of probs) / (1 + row_cost * nodes)."""
+    """The kept prefix maximises (1 + sum of probs) / (1 + the prices of its rows)."""
     tree = DraftTree([1, 2, 3, 4], [-1, 0, -1, 2], [0.9, 0.5, 0.1, 0.01])
-    assert tree.worth_keeping(0.0) == 4  # free rows: everything
-    assert tree.worth_keeping(0.0, max_nodes=2) == 2  # but no more than one pass of the weights takes
-    assert tree.worth_keeping(0.03) == 3  # 0.01 does not pay for a row at 3%
-    assert tree.worth_keeping(0.05) == 2  # nor 0.1 at 5%
-    assert tree.worth_keeping(0.3) == 2
-    assert tree.worth_keeping(10.0) == 0
-    assert DraftTree.chain([5, 6, 7]).worth_keeping(10.0) == 3  # no probs: all
+    assert tree.worth_keeping([0.0]) == 4  # free rows: everything
+    assert tree.worth_keeping([0.0], max_nodes=2) == 2  # but no more than one pass of the weights takes
+    assert tree.worth_keeping([0.03]) == 3  # 0.01 does not pay for a row at 3%
+    assert tree.worth_keeping([0.05]) == 2  # nor 0.1 at 5%
+    assert tree.worth_keeping([0.3]) == 2
+    assert tree.worth_keeping([10.0]) == 0
+    assert DraftTree.chain([5, 6, 7]).worth_keeping([10.0]) == 3  # no probs: all
     for cost in (0.0, 0.03, 0.07, 0.2):
-        m = tree.worth_keeping(cost)
+        m = tree.worth_keeping([cost])
         value = [(1 + sum(tree.probs[:k])) / (1 + cost * k) for k in range(5)]
         assert value[m] == max(value)
     assert tree.limit(2).probs == [0.9, 0.5]
+
+
+def test_worth_keeping_prices_each_row_on_its_own():
+    """A step that hides a few rows under its weight stream and pays for each after: the
+    free rows take nodes a flat price would drop, the dear ones stop the tree."""
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3], [0.6, 0.3, 0.15, 0.08, 0.04])
+    knee = [0.005, 0.005, 0.3, 0.3]
+    assert tree.worth_keeping(knee) == 2
+    assert tree.worth_keeping([0.08]) == 3  # one slope under the dear rows' price: the third node too
+    assert tree.worth_keeping([0.005, 0.005, 0.005, 0.3]) == 3
+    assert tree.worth_keeping([0.15]) == 2  # one slope over the free rows' price: the third node dropped
+    assert tree.worth_keeping([0.005, 0.005, 0.005, 0.005, 0.005]) == 5
+    for prices in (knee, [0.0, 0.2, 0.05, 0.5], [0.1, 0.1, 0.1, 0.01, 0.01]):
+        m = tree.worth_keeping(prices)
+        value = [(1 + sum(tree.probs[:k])) / (1 + sum(prices[min(i, len(prices) - 1)] for i in range(k)))
+                 for k in range(6)]
+        assert value[m] == max(value), prices
 
 
 def test_a_sequence_calibrates_the_table_on_its_own_verified_nodes():
