@@ -30,8 +30,8 @@ from torch import nn
 from quasar.models.llama import Transformer
 from quasar.models.rows import Rows
 from quasar.models.tokenizer import Tokenizer
-from quasar.speculative.drafters import Drafter
-from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence
+from quasar.speculative.drafters import Drafter, worth_verifying
+from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence, row_cost_at
 
 # Prompt tokens per prefill call: the most rows the fused W8A8 step takes (faster than the
 # modules' causal prefill). Chunks start at multiples of this, so a prompt's cache is the
@@ -208,18 +208,26 @@ class BatchDecoder:
         return max(0, min(self.max_rows - n, 2 * (self.max_rows // n) - 1))
 
     def _share_rows(self, active: list) -> list:
-        """Keep the batch near max_rows: of the drafts of the sequences that may be cut, the
-        spare rows go to the likeliest ones batch-wide (each sequence's drafts are ordered
-        likeliest first, so each keeps a prefix), not the same number to each: a sequence
-        copying a long repeat gets several, one whose drafts rarely land none."""
-        spare = self.max_rows - sum(len(toks) for entry, toks, _ in active if self._fixed_drafts(entry.seq))
-        spare -= sum(1 for entry, _, _ in active if not self._fixed_drafts(entry.seq))
-        offers = [(p, i, j) for i, (entry, _, _) in enumerate(active) if not self._fixed_drafts(entry.seq)
-                  for j, p in enumerate(entry.seq.draft_probs())]
-        if len(offers) <= spare:
+        """Keep the batch's rows worth their price, and within max_rows: of the drafts of the
+        sequences that may be cut, the rows go to the likeliest ones batch-wide (each
+        sequence's drafts are ordered likeliest first, so each keeps a prefix), not the same
+        number to each: a sequence copying a long repeat gets several, one whose drafts rarely
+        land none. Each sequence priced its drafts as if its step were alone; beside the other
+        sequences' rows they are the step's later rows, dearer where a step hides only its
+        first few under the weight stream (worth_verifying at the verifier's row prices)."""
+        fixed = [(entry, toks) for entry, toks, _ in active if self._fixed_drafts(entry.seq)]
+        base_rows = sum(len(toks) for _, toks in fixed) + len(active) - len(fixed)
+        offers = sorted(((p, i, j) for i, (entry, _, _) in enumerate(active) if not self._fixed_drafts(entry.seq)
+                         for j, p in enumerate(entry.seq.draft_probs())), key=lambda o: (-o[0], o[2], o[1]))
+        prices = self._row_prices(base_rows + len(offers), active)
+        gain = len(active) + sum(sum(entry.seq.draft_probs()) for entry, _ in fixed)
+        cost = 1.0 + sum(prices[:base_rows - 1])
+        n_keep = min(max(0, self.max_rows - base_rows),
+                     worth_verifying([p for p, _, _ in offers], prices[base_rows - 1:], gain, cost))
+        if n_keep == len(offers):
             return active
         keep = [0] * len(active)
-        for _, i, _ in sorted(offers, key=lambda o: (-o[0], o[2], o[1]))[:max(0, spare)]:
+        for _, i, _ in offers[:n_keep]:
             keep[i] += 1
         out = []
         for i, (entry, toks, parents) in enumerate(active):
@@ -227,6 +235,15 @@ class BatchDecoder:
                 toks, parents = entry.seq.cut_draft(keep[i])
             out.append((entry, toks, parents))
         return out
+
+    def _row_prices(self, n_rows: int, active: list) -> list[float]:
+        """What rows 2 .. n_rows (at least one) each add to this step, as a fraction of a
+        one-row step: the verifier's row prices (or its flat row cost) at the longest context
+        in the step (row_cost_at)."""
+        base = self.model.row_prices or (self.model.row_cost,)
+        n_keys = max(self.cache.lengths[entry.slot] for entry, _, _ in active)
+        return [row_cost_at(base[min(i, len(base) - 1)], self.model.key_cost, n_keys)
+                for i in range(max(1, n_rows - 1))]
 
     def _calls(self, active: list) -> list[list]:
         """Split the step's sequences into verifier calls: at most MAX_STEP_ROWS rows each,

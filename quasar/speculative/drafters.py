@@ -53,17 +53,25 @@ class DraftTree:
         one-row step; the last price holds past the end). All nodes when there are no probs."""
         if self.probs is None:
             return len(self)
-        best_m, best, gain, cost = 0, 1.0, 1.0, 1.0
-        for m, p in enumerate(self.probs[:max_nodes], start=1):
-            gain += p
-            cost += row_prices[min(m, len(row_prices)) - 1]
-            if gain / cost > best + 1e-12:
-                best_m, best = m, gain / cost
-        return best_m
+        return worth_verifying(self.probs[:max_nodes], row_prices)
 
     def children(self, node: int) -> list[int]:
         """Nodes directly below `node` (-1: the pending token), in order."""
         return [i for i, p in enumerate(self.parents) if p == node]
+
+
+def worth_verifying(probs: Sequence[float], row_prices: Sequence[float], gain: float = 1.0,
+                    cost: float = 1.0) -> int:
+    """How many of the drafts `probs` (chances of acceptance, likeliest first) to add to a step
+    that emits `gain` tokens (expected) at `cost` already: the count m maximising (gain + the
+    first m probs) / (cost + the first m of row_prices, the last price holding past the end)."""
+    best_m, best = 0, gain / cost
+    for m, p in enumerate(probs, start=1):
+        gain += p
+        cost += row_prices[min(m, len(row_prices)) - 1]
+        if gain / cost > best + 1e-12:
+            best_m, best = m, gain / cost
+    return best_m
 
 
 DraftTree.EMPTY = DraftTree([], [])

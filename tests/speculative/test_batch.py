@@ -188,14 +188,58 @@ def test_spare_rows_go_to_the_likeliest_drafts_batch_wide():
 
         draft_probs, cut_draft, _rows, pending = Sequence.draft_probs, Sequence.cut_draft, Sequence._rows, 0
 
+    def new_active():
+        seqs = [Seq([0.9, 0.8, 0.7, 0.1]), Seq([0.3, 0.05]), Seq([0.6]), Seq([0.99, 0.9], seeded=True)]
+        return [(SimpleNamespace(seq=s, slot=i), [s.pending, *s.tree.tokens], [-1, *range(len(s.tree))])
+                for i, s in enumerate(seqs)]
+
     batch = object.__new__(BatchDecoder)
+    batch.cache = SimpleNamespace(lengths=[10, 20, 30, 40])
+    batch.model = SimpleNamespace(row_prices=(0.0,), row_cost=0.5, key_cost=0.0)  # free rows: max_rows decides
     batch.max_rows = 8
-    seqs = [Seq([0.9, 0.8, 0.7, 0.1]), Seq([0.3, 0.05]), Seq([0.6]), Seq([0.99, 0.9], seeded=True)]
-    active = [(SimpleNamespace(seq=s), [s.pending, *s.tree.tokens], [-1, *range(len(s.tree))]) for s in seqs]
-    out = batch._share_rows(active)
+    out = batch._share_rows(new_active())
     # 8 rows - 3 (the seeded sequence's pending token and both drafts) - 3 pending tokens = 2
     # spare: the 0.9 and 0.8 of the first sequence
     assert [len(toks) - 1 for _, toks, _ in out] == [2, 0, 0, 2]
     assert sum(len(toks) for _, toks, _ in out) == 8
     batch.max_rows = 16  # room for every draft: nothing is cut
+    active = new_active()
+    assert [len(toks) for _, toks, _ in batch._share_rows(active)] == [len(t) for _, t, _ in active]
+
+
+def test_a_batch_keeps_only_the_draft_rows_worth_their_price():
+    """Beside the other sequences' rows a sequence's drafts are a step's later rows: where the
+    first 6 rows are nearly free and each later one costs 0.3 of a one-row step, only drafts
+    likelier than the step's tokens per cost stay, batch-wide; seeded sampling keeps its
+    drafts whatever they cost. Rows free throughout keep everything that fits max_rows."""
+    from types import SimpleNamespace
+
+    from quasar.speculative.drafters import DraftTree
+    from quasar.speculative.generate import Sequence
+
+    class Seq:
+        def __init__(self, probs, seeded=False):
+            self.tree = DraftTree(list(range(len(probs))), list(range(-1, len(probs) - 1)), probs)
+            self.gen = object() if seeded else None
+            self.opts = SimpleNamespace(sampling=SimpleNamespace(seed=1 if seeded else None))
+
+        draft_probs, cut_draft, _rows, pending = Sequence.draft_probs, Sequence.cut_draft, Sequence._rows, 0
+
+    def new_active():
+        seqs = [Seq([0.9, 0.8, 0.7, 0.1]), Seq([0.3, 0.05]), Seq([0.95]), Seq([0.99, 0.9], seeded=True)]
+        return [(SimpleNamespace(seq=s, slot=i), [s.pending, *s.tree.tokens], [-1, *range(len(s.tree))])
+                for i, s in enumerate(seqs)]
+
+    batch = object.__new__(BatchDecoder)
+    batch.cache = SimpleNamespace(lengths=[0, 0, 0, 0])
+    batch.max_rows = 16
+    batch.model = SimpleNamespace(row_prices=(0.01,) * 5 + (0.3,), row_cost=0.0, key_cost=0.0)
+    out = batch._share_rows(new_active())
+    # 6 rows are the 4 pending tokens and the seeded drafts; 7 tokens expected (4 + 0.99 + 0.9 + ...)
+    # at cost 1.05: a 7th row at 0.3 needs a draft above ~2.0, none is
+    assert [len(toks) - 1 for _, toks, _ in out] == [0, 0, 0, 2]
+    batch.model = SimpleNamespace(row_prices=(0.01,) * 7 + (0.3,), row_cost=0.0, key_cost=0.0)
+    assert [len(toks) - 1 for _, toks, _ in batch._share_rows(new_active())] == [1, 0, 1, 2]  # 2 cheap rows more
+    batch.model = SimpleNamespace(row_prices=(0.0,), row_cost=0.0, key_cost=0.0)
+    active = new_active()
     assert [len(toks) for _, toks, _ in batch._share_rows(active)] == [len(t) for _, t, _ in active]
