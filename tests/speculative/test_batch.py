@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from conftest import make_tiny_model
 from quasar.api import LLM
 from quasar.quant.options import QuantOptions
 from quasar.speculative.batch import PREFILL_CHUNK, BatchDecoder
-from quasar.speculative.generate import Chunk, Result
+from quasar.speculative.drafters import DraftTree
+from quasar.speculative.generate import Chunk, Result, Sequence
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):", "The capital of France is", "1, 2, 3, 4, 5,",
            "Dear Sir, I write to you about the", "import numpy as np\nx = np.", "Once upon a time"]
@@ -171,75 +173,53 @@ def test_concurrent_openai_requests_equal_their_sequential_outputs(llm, step_slo
     assert direct == llm.generate(PROMPTS[5], max_new_tokens=16, raw=True).token_ids
 
 
+class _Seq:
+    """What BatchDecoder._share_rows reads of a Sequence: its draft chain's probs, sampling, cuts."""
+
+    def __init__(self, probs, seeded=False):
+        self.tree = DraftTree(list(range(len(probs))), list(range(-1, len(probs) - 1)), probs)
+        self.gen = object() if seeded else None
+        self.opts = SimpleNamespace(sampling=SimpleNamespace(seed=1 if seeded else None))
+
+    draft_probs, cut_draft, _rows, pending = Sequence.draft_probs, Sequence.cut_draft, Sequence._rows, 0
+
+
+def _active(third: float) -> list:
+    """A step's sequences, each with its rows: four drafts, two, one (prob `third`), and seeded sampling's two."""
+    seqs = [_Seq([0.9, 0.8, 0.7, 0.1]), _Seq([0.3, 0.05]), _Seq([third]), _Seq([0.99, 0.9], seeded=True)]
+    return [(SimpleNamespace(seq=s, slot=i), [s.pending, *s.tree.tokens], [-1, *range(len(s.tree))])
+            for i, s in enumerate(seqs)]
+
+
+def _batch(max_rows: int, row_prices: tuple[float, ...]) -> BatchDecoder:
+    batch = object.__new__(BatchDecoder)
+    batch.cache = SimpleNamespace(lengths=[10, 20, 30, 40])
+    batch.model = SimpleNamespace(row_prices=row_prices, row_cost=0.5, key_cost=0.0)  # row_cost: never read
+    batch.max_rows = max_rows
+    return batch
+
+
 def test_spare_rows_go_to_the_likeliest_drafts_batch_wide():
     """_share_rows keeps the batch at max_rows by giving the spare rows (beyond each
     sequence's pending token and seeded sampling's fixed drafts) to the likeliest drafts
     over all sequences: each sequence keeps a prefix of its drafts, likeliest first."""
-    from types import SimpleNamespace
-
-    from quasar.speculative.drafters import DraftTree
-    from quasar.speculative.generate import Sequence
-
-    class Seq:
-        def __init__(self, probs, seeded=False):
-            self.tree = DraftTree(list(range(len(probs))), list(range(-1, len(probs) - 1)), probs)
-            self.gen = object() if seeded else None
-            self.opts = SimpleNamespace(sampling=SimpleNamespace(seed=1 if seeded else None))
-
-        draft_probs, cut_draft, _rows, pending = Sequence.draft_probs, Sequence.cut_draft, Sequence._rows, 0
-
-    def new_active():
-        seqs = [Seq([0.9, 0.8, 0.7, 0.1]), Seq([0.3, 0.05]), Seq([0.6]), Seq([0.99, 0.9], seeded=True)]
-        return [(SimpleNamespace(seq=s, slot=i), [s.pending, *s.tree.tokens], [-1, *range(len(s.tree))])
-                for i, s in enumerate(seqs)]
-
-    batch = object.__new__(BatchDecoder)
-    batch.cache = SimpleNamespace(lengths=[10, 20, 30, 40])
-    batch.model = SimpleNamespace(row_prices=(0.0,), row_cost=0.5, key_cost=0.0)  # free rows: max_rows decides
-    batch.max_rows = 8
-    out = batch._share_rows(new_active())
+    out = _batch(8, (0.0,))._share_rows(_active(0.6))  # free rows: max_rows decides
     # 8 rows - 3 (the seeded sequence's pending token and both drafts) - 3 pending tokens = 2
     # spare: the 0.9 and 0.8 of the first sequence
     assert [len(toks) - 1 for _, toks, _ in out] == [2, 0, 0, 2]
     assert sum(len(toks) for _, toks, _ in out) == 8
-    batch.max_rows = 16  # room for every draft: nothing is cut
-    active = new_active()
-    assert [len(toks) for _, toks, _ in batch._share_rows(active)] == [len(t) for _, t, _ in active]
+    active = _active(0.6)  # room for every draft: nothing is cut
+    assert [len(toks) for _, toks, _ in _batch(16, (0.0,))._share_rows(active)] == [len(t) for _, t, _ in active]
 
 
 def test_a_batch_keeps_only_the_draft_rows_worth_their_price():
     """Beside the other sequences' rows a sequence's drafts are a step's later rows: where the
     first 6 rows are nearly free and each later one costs 0.3 of a one-row step, only drafts
     likelier than the step's tokens per cost stay, batch-wide; seeded sampling keeps its
-    drafts whatever they cost. Rows free throughout keep everything that fits max_rows."""
-    from types import SimpleNamespace
-
-    from quasar.speculative.drafters import DraftTree
-    from quasar.speculative.generate import Sequence
-
-    class Seq:
-        def __init__(self, probs, seeded=False):
-            self.tree = DraftTree(list(range(len(probs))), list(range(-1, len(probs) - 1)), probs)
-            self.gen = object() if seeded else None
-            self.opts = SimpleNamespace(sampling=SimpleNamespace(seed=1 if seeded else None))
-
-        draft_probs, cut_draft, _rows, pending = Sequence.draft_probs, Sequence.cut_draft, Sequence._rows, 0
-
-    def new_active():
-        seqs = [Seq([0.9, 0.8, 0.7, 0.1]), Seq([0.3, 0.05]), Seq([0.95]), Seq([0.99, 0.9], seeded=True)]
-        return [(SimpleNamespace(seq=s, slot=i), [s.pending, *s.tree.tokens], [-1, *range(len(s.tree))])
-                for i, s in enumerate(seqs)]
-
-    batch = object.__new__(BatchDecoder)
-    batch.cache = SimpleNamespace(lengths=[0, 0, 0, 0])
-    batch.max_rows = 16
-    batch.model = SimpleNamespace(row_prices=(0.01,) * 5 + (0.3,), row_cost=0.0, key_cost=0.0)
-    out = batch._share_rows(new_active())
-    # 6 rows are the 4 pending tokens and the seeded drafts; 7 tokens expected (4 + 0.99 + 0.9 + ...)
-    # at cost 1.05: a 7th row at 0.3 needs a draft above ~2.0, none is
+    drafts whatever they cost."""
+    out = _batch(16, (0.01,) * 5 + (0.3,))._share_rows(_active(0.95))
+    # 6 rows are the 4 pending tokens and the seeded drafts: 5.89 tokens expected at cost 1.05,
+    # so a row at 0.3 would need a draft likelier than 1.68
     assert [len(toks) - 1 for _, toks, _ in out] == [0, 0, 0, 2]
-    batch.model = SimpleNamespace(row_prices=(0.01,) * 7 + (0.3,), row_cost=0.0, key_cost=0.0)
-    assert [len(toks) - 1 for _, toks, _ in batch._share_rows(new_active())] == [1, 0, 1, 2]  # 2 cheap rows more
-    batch.model = SimpleNamespace(row_prices=(0.0,), row_cost=0.0, key_cost=0.0)
-    active = new_active()
-    assert [len(toks) for _, toks, _ in batch._share_rows(active)] == [len(t) for _, t, _ in active]
+    out = _batch(16, (0.01,) * 7 + (0.3,))._share_rows(_active(0.95))  # two cheap rows more: the 0.95 and 0.9
+    assert [len(toks) - 1 for _, toks, _ in out] == [1, 0, 1, 2]
