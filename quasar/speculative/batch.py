@@ -31,7 +31,7 @@ from quasar.models.llama import Transformer
 from quasar.models.rows import Rows
 from quasar.models.tokenizer import Tokenizer
 from quasar.speculative.drafters import Drafter, worth_verifying
-from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence, row_cost_at
+from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence, row_prices_at
 
 # Prompt tokens per prefill call: the most rows the fused W8A8 step takes (faster than the
 # modules' causal prefill). Chunks start at multiples of this, so a prompt's cache is the
@@ -219,7 +219,10 @@ class BatchDecoder:
         base_rows = sum(len(toks) for _, toks in fixed) + len(active) - len(fixed)
         offers = sorted(((p, i, j) for i, (entry, _, _) in enumerate(active) if not self._fixed_drafts(entry.seq)
                          for j, p in enumerate(entry.seq.draft_probs())), key=lambda o: (-o[0], o[2], o[1]))
-        prices = self._row_prices(base_rows + len(offers), active)
+        # priced at the step's longest context
+        n_keys = max(self.cache.lengths[entry.slot] for entry, _, _ in active)
+        m = self.model
+        prices = row_prices_at(m.row_prices, m.row_cost, m.key_cost, n_keys, base_rows + len(offers) - 1)
         gain = len(active) + sum(sum(entry.seq.draft_probs()) for entry, _ in fixed)
         cost = 1.0 + sum(prices[:base_rows - 1])
         n_keep = min(max(0, self.max_rows - base_rows),
@@ -235,15 +238,6 @@ class BatchDecoder:
                 toks, parents = entry.seq.cut_draft(keep[i])
             out.append((entry, toks, parents))
         return out
-
-    def _row_prices(self, n_rows: int, active: list) -> list[float]:
-        """What rows 2 .. n_rows (at least one) each add to this step, as a fraction of a
-        one-row step: the verifier's row prices (or its flat row cost) at the longest context
-        in the step (row_cost_at)."""
-        base = self.model.row_prices or (self.model.row_cost,)
-        n_keys = max(self.cache.lengths[entry.slot] for entry, _, _ in active)
-        return [row_cost_at(base[min(i, len(base) - 1)], self.model.key_cost, n_keys)
-                for i in range(max(1, n_rows - 1))]
 
     def _calls(self, active: list) -> list[list]:
         """Split the step's sequences into verifier calls: at most MAX_STEP_ROWS rows each,

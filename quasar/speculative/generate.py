@@ -169,6 +169,15 @@ def row_cost_at(row_cost: float, key_cost: float, n_keys: int) -> float:
     return (row_cost + ROW_KEY_SHARE * kv) / (1.0 + kv)
 
 
+def row_prices_at(row_prices: tuple[float, ...] | None, row_cost: float, key_cost: float, n_keys: int,
+                  n: int) -> list[float]:
+    """What each of the next n rows past a step's first adds (at least one row): the measured
+    row_prices (Transformer.row_prices; None: row_cost each), the last holding past its end,
+    with `n_keys` cached keys (row_cost_at)."""
+    base = row_prices or (row_cost,)
+    return [row_cost_at(base[min(i, len(base) - 1)], key_cost, n_keys) for i in range(max(1, n))]
+
+
 class Sequence:
     """One request being decoded: its drafter, sampling, output and stats. It never calls
     the model; a driver runs the model on the rows it asks for and hands back their logits:
@@ -198,8 +207,7 @@ class Sequence:
         # tree stays within pass_rows rows (Transformer.pass_rows: more cost another pass);
         # key_cost (Transformer.key_cost) makes rows dearer as the context grows (row_cost_at);
         # row_prices (Transformer.row_prices), once measured, price rows 2, 3, ... apart.
-        self.row_cost, self.pass_rows, self.key_cost = row_cost, pass_rows, key_cost
-        self.row_prices = row_prices or (row_cost,)
+        self.row_cost, self.pass_rows, self.key_cost, self.row_prices = row_cost, pass_rows, key_cost, row_prices
         k = opts.draft.num_draft
         self.adaptive = AdaptiveDraftLength(k_max=k + 3, start=k, token_cost=row_cost) \
             if opts.draft.adaptive_chain else None
@@ -238,8 +246,8 @@ class Sequence:
             k = min(k, max_draft)
         tree = self.drafter.propose_tree(k).limit(k) if k > 0 else DraftTree.EMPTY
         max_nodes = None if self.pass_rows is None else self.pass_rows - 1
-        n_keys = len(self.prompt_ids) + len(self.out.ids)
-        prices = [row_cost_at(price, self.key_cost, n_keys) for price in self.row_prices[:max(1, len(tree))]]
+        prices = row_prices_at(self.row_prices, self.row_cost, self.key_cost,
+                               len(self.prompt_ids) + len(self.out.ids), len(tree))
         self.tree = tree.limit(tree.worth_keeping(prices, max_nodes))  # the nodes worth their rows
         return self._rows()
 
