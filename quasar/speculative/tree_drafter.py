@@ -8,13 +8,15 @@ history followed by the node's path):
   top-k next tokens the last time it verified that token (`RecyclingTable`). It costs no
   extra forward: the decode loop hands over the top-k of every row it verified, accepted
   or not, which fills in where no n-gram matches and extends branches past the text's
-  repeats.
+  repeats. The table also keeps them under the token with the one before it: where that
+  pair was verified before, its list speaks for this context more than the token's alone.
 
 The score of a node is the product of its edges' probabilities along its path: the chance
 that greedy verification accepts the whole path. An edge's probability is measured, not a
 prior: `EDGE_PROB` holds the acceptance rate of candidates by their evidence (the longest
 n-gram that proposes the token and whether that n-gram was followed by it at least half the
-time; its rank among the recycled verifier candidates), counted over the W8A8 default
+time; its rank among the recycled verifier candidates, the pair's where it has them),
+counted over the W8A8 default
 model's greedy tree decoding of held-out prompts (`scripts/tools/tree_edge_stats.py`), and each
 sequence calibrates it on its own verified nodes (`PRIOR_WEIGHT`). The tree is
 grown best first: the `budget` likeliest nodes, where equal scores go to the more recent
@@ -38,29 +40,47 @@ from quasar.speculative.drafters import Drafter, DraftTree, NgramDrafter
 
 # P(the verifier's greedy next token is a candidate | the candidate's parent was accepted),
 # by the candidate's evidence: [longest n-gram proposing it (0: none)][that n-gram's
-# occurrences were followed by it at least half the time][rank among the recycled verifier
-# candidates: 0, 1, 2 or more, not among them]. Measured over 23k nodes of the W8A8 default
-# model's greedy tree decoding (budget 24, no node dropped) of 102 held-out prompts of the
-# five bench tasks (not the bench's own): `python scripts/tools/tree_edge_stats.py --n 25`. What it
-# says: the verifier's own rank-0 candidate is a fair bet alone; a 1-gram match adds little
-# unless the verifier also ranks it first; a 3-gram that usually continues so is the best
-# evidence there is. (Cells under 30 nodes: 2-gram minority at ranks 1 and 2+.)
+# occurrences were followed by it at least half the time][column]. Columns 0-3 where the
+# context's last two tokens were never verified as a pair: the candidate's rank among the
+# token's recycled verifier candidates (0, 1, 2 or more, not among them); columns 4-7 where
+# they were: its rank in the pair's list (0, 1, 2 or more, not in it). Measured over the
+# 8.2k verified nodes of the W8A8 default model's greedy tree decoding (24-node proposals,
+# rows free) of 102 held-out prompts of the five bench tasks (not the bench's own):
+# `python scripts/tools/tree_edge_stats.py --n 25`. Cells under 30 nodes keep the rank
+# column's earlier rate (a pair column: its row's rank column), raised where needed so that
+# a better rank never scores lower. What it says: the verifier's own rank-0 candidate is a
+# fair bet alone and a good one when the pair agrees; a 3-gram that usually continues so is
+# the best evidence there is.
 EDGE_PROB = {
-    0: {True: (0.30, 0.09, 0.025, 0.0), False: (0.30, 0.09, 0.025, 0.0)},
-    1: {True: (0.41, 0.20, 0.089, 0.089), False: (0.27, 0.18, 0.081, 0.029)},
-    2: {True: (0.74, 0.35, 0.20, 0.25), False: (0.25, 0.17, 0.037, 0.018)},
-    3: {True: (0.90, 0.59, 0.59, 0.65), False: (0.40, 0.36, 0.15, 0.17)},
+    0: {True: (0.168, 0.09, 0.025, 0.0, 0.322, 0.09, 0.025, 0.0),
+        False: (0.168, 0.09, 0.025, 0.0, 0.322, 0.09, 0.025, 0.0)},
+    1: {True: (0.422, 0.235, 0.089, 0.347, 0.674, 0.226, 0.089, 0.347),
+        False: (0.253, 0.229, 0.081, 0.029, 0.495, 0.220, 0.081, 0.029)},
+    2: {True: (0.74, 0.35, 0.20, 0.518, 0.585, 0.450, 0.450, 0.183),
+        False: (0.25, 0.17, 0.037, 0.018, 0.25, 0.17, 0.037, 0.018)},
+    3: {True: (0.923, 0.763, 0.763, 0.775, 0.849, 0.562, 0.494, 0.509),
+        False: (0.40, 0.36, 0.15, 0.17, 0.300, 0.36, 0.15, 0.17)},
 }
+PAIR_COLUMNS = 4  # the columns from here on are the pair's
+# The most token pairs a recycling table keeps: each costs up to ~500 bytes (its key and a
+# list of DEFAULT_RECYCLE_TOP_K ids), so ~30 MB; a 128-token decode teaches ~1k.
+MAX_PAIRS = 1 << 16
 
 
-Cell = tuple[int, bool, int]  # a cell of EDGE_PROB: (n, majority, rank column)
+Cell = tuple[int, bool, int]  # a cell of EDGE_PROB: (n, majority, column)
 
 
-def evidence_cell(n: int, count: int, total: int, rank: int | None) -> Cell:
+def evidence_cell(n: int, count: int, total: int, rank: int | None, pair_rank: int | None = None,
+                  pair_known: bool = False) -> Cell:
     """The EDGE_PROB cell of a candidate: the longest n-gram proposing it has length `n` (0:
     none; more than 3 counts as 3) and was followed by it `count` of `total` times; `rank` is
-    its place among the recycled candidates (None: not among them)."""
-    return min(n, 3), n > 0 and 2 * count >= total, 3 if rank is None else min(rank, 2)
+    its place among the token's recycled candidates, `pair_rank` among the pair's (None: not
+    among them); `pair_known`: the context's last two tokens have a recycled list."""
+    if pair_known:
+        column = PAIR_COLUMNS + (3 if pair_rank is None else min(pair_rank, 2))
+    else:
+        column = 3 if rank is None else min(rank, 2)
+    return min(n, 3), n > 0 and 2 * count >= total, column
 
 
 # How many observations the measured EDGE_PROB counts for against what the sequence at hand
@@ -107,31 +127,52 @@ class NgramFollowers:
 
 class RecyclingTable:
     """token -> the verifier's top-k next tokens the last time a step verified that token
-    (the shallowest row when a step has it more than once: nearest the real context).
+    (the shallowest row when a step has it more than once: nearest the real context), and
+    (previous token, token) -> the same for the token after that previous one.
 
     One table may serve many sequences of a verifier, one after another or in one batch, as
     Token Recycling keeps its adjacency matrix across queries: a sequence's first steps then
     draft from what earlier ones taught it instead of from nothing (`TreeDrafter(recycled=)`)."""
 
-    def __init__(self, table: dict[int, list[int]] | None = None) -> None:
+    def __init__(self, table: dict[int, list[int]] | None = None,
+                 pairs: dict[tuple[int, int], list[int]] | None = None, max_pairs: int = MAX_PAIRS) -> None:
         self.table: dict[int, list[int]] = dict(table or {})
+        # oldest written first: past max_pairs the oldest go (the token table is bounded by
+        # the vocabulary, the pairs only by what a long-running server verifies)
+        self.pairs: dict[tuple[int, int], list[int]] = dict(pairs or {})
+        self.max_pairs = max_pairs
 
     def copy(self) -> "RecyclingTable":
-        return RecyclingTable(self.table)  # the lists are replaced, never changed in place
+        # the lists are replaced, never changed in place
+        return RecyclingTable(self.table, self.pairs, self.max_pairs)
 
     def restore(self, snapshot: "RecyclingTable") -> None:
         """Make this table what `snapshot` (a `copy`) holds; drafters sharing it see the change."""
-        self.table = dict(snapshot.table)
+        self.table, self.pairs = dict(snapshot.table), dict(snapshot.pairs)
 
     def __len__(self) -> int:
         return len(self.table)
 
-    def observe(self, tokens: Sequence[int], top_ids: Sequence[Sequence[int]]) -> None:
-        for tok, ids in reversed(list(zip(tokens, top_ids))):  # rows are parents first
-            self.table[int(tok)] = [int(i) for i in ids]
+    def observe(self, tokens: Sequence[int], top_ids: Sequence[Sequence[int]],
+                previous: Sequence[int | None] | None = None) -> None:
+        """Record each row's top ids under its token and, where `previous` names the token
+        before it (None: unknown), under the pair."""
+        for row in reversed(range(len(tokens))):  # rows are parents first: the shallowest wins
+            ids = [int(i) for i in top_ids[row]]
+            self.table[int(tokens[row])] = ids
+            if previous is not None and previous[row] is not None:
+                key = (int(previous[row]), int(tokens[row]))
+                self.pairs.pop(key, None)  # written now: the newest
+                self.pairs[key] = ids
+                if len(self.pairs) > self.max_pairs:
+                    del self.pairs[next(iter(self.pairs))]
 
     def get(self, token: int) -> list[int]:
         return self.table.get(token, [])
+
+    def get_pair(self, previous: int, token: int) -> list[int] | None:
+        """The pair's list, None where the pair was never verified."""
+        return self.pairs.get((previous, token))
 
 
 class TreeDrafter(Drafter):
@@ -170,7 +211,13 @@ class TreeDrafter(Drafter):
         self.ngrams.extend(new_ids)
 
     def observe(self, tokens: list[int], top_ids: list[list[int]], parents: list[int] | None = None) -> None:
-        self.recycled.observe(tokens, top_ids)
+        """The verified rows of a step (its pending token, the history's last, then the draft
+        nodes; `parents` as row indices, -1 for the pending token) and their top ids."""
+        previous = None
+        if parents is not None:
+            before = self.ngrams.history[-2] if len(self.ngrams.history) >= 2 else None
+            previous = [before if p < 0 else tokens[p] for p in parents]
+        self.recycled.observe(tokens, top_ids, previous)
         if parents is not None and len(tokens) - 1 <= len(self.proposed_cells):
             self._count_outcomes(tokens, top_ids, parents)
 
@@ -200,28 +247,32 @@ class TreeDrafter(Drafter):
         self._probs[cell] = prob
         return prob
 
-    def candidates(self, path: Sequence[int]) -> dict[int, tuple[int, int, int, int, int | None]]:
-        """The evidence for each candidate token after history + `path`: (n, count, total,
-        position, rank): the longest n-gram proposing it (0: none) was followed by it `count`
-        of `total` times, latest at `position` (-1: none); `rank` among the recycled
-        candidates (None: not among them)."""
+    def candidates(self, path: Sequence[int]) -> tuple[dict[int, list], bool]:
+        """The evidence for each candidate token after history + `path`: [n, count, total,
+        position, rank, pair rank]: the longest n-gram proposing it (0: none) was followed by
+        it `count` of `total` times, latest at `position` (-1: none); its rank among the last
+        token's recycled candidates and among those of the last two (None: not among them);
+        and whether the last two tokens have a recycled list."""
         context = self.ngrams.history[-self.n_max:] + list(path)
-        evidence: dict[int, tuple[int, int, int, int, int | None]] = {}
+        evidence: dict[int, list] = {}
         for n, total, seen in self.ngrams.matches(context):  # shortest first: the longest n wins
             for token, (count, pos) in seen.items():
-                evidence[token] = (n, count, total, pos, None)
+                evidence[token] = [n, count, total, pos, None, None]
         for rank, token in enumerate(self.recycled.get(context[-1]) if context else []):
-            n, count, total, pos, _ = evidence.get(token, (0, 0, 0, -1, None))
-            evidence[token] = (n, count, total, pos, rank)
-        return evidence
+            evidence.setdefault(token, [0, 0, 0, -1, None, None])[4] = rank
+        pair = self.recycled.get_pair(context[-2], context[-1]) if len(context) >= 2 else None
+        for rank, token in enumerate(pair or []):
+            evidence.setdefault(token, [0, 0, 0, -1, None, None])[5] = rank
+        return evidence, pair is not None
 
     def edge_scores(self, path: Sequence[int]) -> list[tuple[float, int, int, Cell]]:
         """Candidates for the token after history + `path`: (probability, recency, token,
         evidence cell), best first; recency is the latest position of the longest n-gram
         evidence (-1 for recycling only)."""
         scored = []
-        for token, (n, count, total, pos, rank) in self.candidates(path).items():
-            cell = evidence_cell(n, count, total, rank)
+        evidence, pair_known = self.candidates(path)
+        for token, (n, count, total, pos, rank, pair_rank) in evidence.items():
+            cell = evidence_cell(n, count, total, rank, pair_rank, pair_known)
             scored.append((self.cell_prob(cell), pos, token, cell))
         scored.sort(reverse=True)
         return scored

@@ -7,7 +7,8 @@ bench itself uses) greedily with the tree drafter at a large budget, no node dro
 row cost, and counts, for every proposed node whose parent was accepted, whether it was
 accepted too, by its evidence: the longest n-gram proposing it, whether that n-gram's
 occurrences were followed by it at least half the time, and its rank among the recycled
-verifier candidates. Prints the acceptance rate per cell in EDGE_PROB's layout, with counts.
+verifier candidates (the last two tokens' where that pair has a list, else the last token's).
+Prints the acceptance rate per cell in EDGE_PROB's layout, with counts.
 """
 
 from __future__ import annotations
@@ -22,40 +23,25 @@ from quasar.bench.tasks import TASKS, task_prompts
 from quasar.speculative import registry
 from quasar.speculative.tree_drafter import TreeDrafter
 
-RANKS = ("0", "1", "2+", "none")
-
-
-def rank_column(rank: int | None) -> int:
-    return 3 if rank is None else min(rank, 2)
+COLUMNS = ("rank 0", "rank 1", "rank 2+", "no rank", "pair 0", "pair 1", "pair 2+", "not in pair")
 
 
 class CountingTreeDrafter(TreeDrafter):
-    """A tree drafter that records each proposed node's evidence and, once the step's emitted
-    tokens arrive, whether the node was accepted."""
+    """A tree drafter that adds up, over every sequence, the verified nodes its calibration
+    counts (`_count_outcomes`: tested when the parent row was accepted, accepted when the
+    node is that row's argmax). Only the nodes a step verified count: a proposal's tail that
+    the decode loop cut (its row cap) was never tested."""
 
-    counts: dict = defaultdict(lambda: [0, 0])  # (n, majority, rank column) -> [nodes, accepted]
+    counts: dict = defaultdict(lambda: [0, 0])  # (n, majority, column) -> [nodes, accepted]
 
-    def propose_tree(self, budget):
-        tree = super().propose_tree(budget)
-        self._nodes, paths = [], []
-        for token, parent in zip(tree.tokens, tree.parents):
-            above = paths[parent] if parent >= 0 else ()
-            n, count, total, _, rank = self.candidates(list(above))[token]
-            paths.append(above + (token,))
-            self._nodes.append((paths[-1], (min(n, 3), n > 0 and 2 * count >= total, rank_column(rank))))
-        return tree
-
-    def extend(self, new_ids):
-        nodes, self._nodes = getattr(self, "_nodes", None), None
-        if nodes:  # the step's emitted tokens: accepted drafts, then the verifier's own
-            emitted = tuple(new_ids)
-            accepted = {p for p, _ in nodes if len(p) < len(emitted) and emitted[:len(p)] == p}
-            for path, cell in nodes:
-                if len(path) == 1 or path[:-1] in accepted:
-                    c = self.counts[cell]
-                    c[0] += 1
-                    c[1] += path in accepted
-        super().extend(new_ids)
+    def _count_outcomes(self, tokens, top_ids, parents):
+        before = {cell: list(tally) for cell, tally in self.outcomes.items()}
+        super()._count_outcomes(tokens, top_ids, parents)
+        for cell, (accepted, tested) in self.outcomes.items():
+            was = before.get(cell, [0, 0])
+            c = self.counts[cell]
+            c[0] += tested - was[1]
+            c[1] += accepted - was[0]
 
 
 def main() -> None:
@@ -69,7 +55,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     registry._DRAFTERS["tree"] = CountingTreeDrafter
     llm = LLM(args.model, max_context=4096, max_batch=1)
-    llm.verifier_model("w8a8").row_cost = 0.0  # keep every proposed node: measure them all
+    model = llm.verifier_model("w8a8")
+    # keep every proposed node (rows free, however many, whatever the context): measure them all
+    model.row_cost, model.row_prices, model.pass_rows, model.key_cost = 0.0, None, None, 0.0
     bench = {item.id for task in TASKS for k in (2, 5) for item in task_prompts(task, k)}
     prompts = 0
     for task in TASKS:
@@ -83,10 +71,10 @@ def main() -> None:
     counts = CountingTreeDrafter.counts
     total = sum(c[0] for c in counts.values())
     print(f"{prompts} prompts, {total} nodes whose parent was accepted")
-    print("n-gram | majority | " + " | ".join(f"rank {r}" for r in RANKS))
+    print("n-gram | majority | " + " | ".join(COLUMNS))
     for n in range(4):
         for majority in ((False,) if n == 0 else (True, False)):
-            cells = [counts.get((n, majority, col), [0, 0]) for col in range(4)]
+            cells = [counts.get((n, majority, col), [0, 0]) for col in range(len(COLUMNS))]
             print(f"{n} | {majority!s:5} | " + " | ".join(
                 f"{a / c:.3f} ({c})" if c else "-" for c, a in cells))
 

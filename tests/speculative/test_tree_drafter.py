@@ -31,15 +31,26 @@ def brute_followers(history, context, n_min, n_max):
 
 def brute_recycled(steps, token):
     """The top ids of the first row holding `token` in the latest step that holds it."""
-    for tokens, top_ids in reversed(steps):
+    for tokens, top_ids, _ in reversed(steps):
         if token in tokens:
             return top_ids[tokens.index(token)]
     return []
 
 
-def measured_prob(n, count, total, rank):
+def brute_pair(steps, before, token):
+    """The top ids of the first row holding `token` after `before` (its parent's token, or
+    the history's second to last for the pending token) in the latest step that has that
+    pair; None if none has."""
+    for tokens, top_ids, previous in reversed(steps):
+        for row, tok in enumerate(tokens):
+            if previous is not None and previous[row] == before and tok == token:
+                return top_ids[row]
+    return None
+
+
+def measured_prob(n, count, total, rank, pair_rank=None, pair_known=False):
     """EDGE_PROB at the evidence cell of a candidate (arguments as for `evidence_cell`)."""
-    n, majority, column = evidence_cell(n, count, total, rank)
+    n, majority, column = evidence_cell(n, count, total, rank, pair_rank, pair_known)
     return EDGE_PROB[n][majority][column]
 
 
@@ -52,12 +63,16 @@ def brute_edges(history, steps, path, n_min, n_max):
         for token, (count, _) in seen.items():
             longest[token] = (n, count, total)
     ranks = {token: rank for rank, token in enumerate(brute_recycled(steps, context[-1]))}
-    return {token: measured_prob(*longest.get(token, (0, 0, 0)), ranks.get(token))
-            for token in longest.keys() | ranks.keys()}
+    pair = brute_pair(steps, context[-2], context[-1]) if len(context) >= 2 else None
+    pair_ranks = {token: rank for rank, token in enumerate(pair or [])}
+    return {token: measured_prob(*longest.get(token, (0, 0, 0)), ranks.get(token), pair_ranks.get(token),
+                                 pair is not None)
+            for token in longest.keys() | ranks.keys() | pair_ranks.keys()}
 
 
-def random_run(rng, vocab, n_steps):
-    """A drafter fed random history chunks and random verifier top-k observations."""
+def random_run(rng, vocab, n_steps, trees=False):
+    """A drafter fed random history chunks and random verifier top-k observations: of rows
+    without parents, or (`trees`) of random trees below the history's last token."""
     drafter = TreeDrafter(budget=12)
     history = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
     drafter.reset(history)
@@ -65,8 +80,15 @@ def random_run(rng, vocab, n_steps):
     for _ in range(n_steps):
         tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
         top = [rng.sample(range(vocab), 3) for _ in tokens]
-        drafter.observe(tokens, top)
-        steps.append((tokens, top))
+        if trees:
+            tokens[0] = history[-1]
+            parents = [-1] + [rng.randrange(row) for row in range(1, len(tokens))]
+            previous = [(history[-2] if len(history) >= 2 else None) if p < 0 else tokens[p] for p in parents]
+            drafter.observe(tokens, top, parents)
+        else:
+            previous = None
+            drafter.observe(tokens, top)
+        steps.append((tokens, top, previous))
         chunk = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
         drafter.extend(chunk)
         history += chunk
@@ -76,7 +98,7 @@ def random_run(rng, vocab, n_steps):
 @pytest.mark.parametrize("seed", range(6))
 def test_followers_and_recycling_equal_the_oracles(seed):
     rng = random.Random(seed)
-    drafter, history, steps = random_run(rng, vocab=4 + seed % 3, n_steps=15)
+    drafter, history, steps = random_run(rng, vocab=4 + seed % 3, n_steps=15, trees=seed % 2 == 1)
     assert drafter.ngrams.history == history
     for _ in range(30):
         path = [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
@@ -87,6 +109,9 @@ def test_followers_and_recycling_equal_the_oracles(seed):
             == brute_followers(history, context, 1, 3)
     for token in range(8):
         assert drafter.recycled.get(token) == brute_recycled(steps, token)
+        for before in range(8):
+            assert drafter.recycled.get_pair(before, token) == brute_pair(steps, before, token)
+    assert bool(drafter.recycled.pairs) == (seed % 2 == 1)  # rows without parents teach no pairs
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -94,7 +119,7 @@ def test_tree_is_the_budget_likeliest_nodes(seed):
     """Every node is a candidate of its parent's context, siblings are distinct, parents come
     first, and the node scores are the `budget` best of the whole candidate trie."""
     rng = random.Random(100 + seed)
-    drafter, history, steps = random_run(rng, vocab=5, n_steps=10)
+    drafter, history, steps = random_run(rng, vocab=5, n_steps=10, trees=seed % 2 == 1)
     budget = rng.choice([1, 4, 12])
     tree = drafter.propose_tree(budget)
     assert 1 <= len(tree) <= budget
@@ -222,15 +247,21 @@ def test_a_sequence_calibrates_the_table_on_its_own_verified_nodes():
     d.observe(rows, [[9], [0], [0], [0]], parents)  # the verifier took 9, then not 1
     assert d.outcomes == {cell: [1, 2]}  # node 0 accepted, node 1 rejected, node 2 not tested
     assert d.cell_prob(cell) == pytest.approx((PRIOR_WEIGHT * EDGE_PROB[3][True][3] + 1) / (PRIOR_WEIGHT + 2))
-    assert d.propose_tree(3).tokens == tree.tokens  # 9 is now also 3's recycled first choice
-    d.observe(rows, [[9], [1], [2], [0]], parents)  # the whole chain accepted
-    assert d.outcomes == {cell: [3, 4], (3, True, 0): [1, 1]}
+    # The step taught pairs: 9 is the recycled first choice after "2 3" (the pair's column 4);
+    # "3 9" and "9 1" have lists (of 0) without the chain's next tokens (column 7), which makes
+    # 0, the pair "3 9"'s own first choice, likelier below 9 than 2 below 1.
+    tree = d.propose_tree(3)
+    assert tree.tokens == [9, 1, 0] and tree.parents == [-1, 0, 0]
+    assert d.proposed_cells == [(3, True, 4), (3, True, 7), (0, False, 4)]
+    d.observe([3, *tree.tokens], [[9], [1], [7], [7]], [-1, 0, 1, 1])  # 9, then 1 (not 0)
+    assert d.outcomes == {cell: [1, 2], (3, True, 4): [1, 1], (3, True, 7): [1, 1], (0, False, 4): [0, 1]}
     d2 = TreeDrafter(budget=3)
     d2.reset([1, 2, 3, 9, 1, 2, 3])
     d2.propose_tree(3)
     d2.observe(rows, [[5] for _ in rows], parents)  # rejected at the root: nothing below is tested
     assert d2.outcomes == {cell: [0, 1]}
-    assert d2.cell_prob(cell) < EDGE_PROB[3][True][3] < d.cell_prob(cell)  # 0 of 1 < 0.65 < 3 of 4
+    assert d2.cell_prob(cell) < EDGE_PROB[3][True][3]  # 0 of 1
+    assert d.cell_prob((3, True, 7)) > EDGE_PROB[3][True][7]  # 1 of 1
     d2.observe(rows, [[5] for _ in rows])  # rows without parents (not a proposal): recycling only
     assert d2.outcomes == {cell: [0, 1]}
     d2.reset([1])  # a new sequence starts from the table again
@@ -263,3 +294,33 @@ def test_a_shared_recycling_table_outlives_reset_and_a_private_one_does_not():
     assert shared.get(3) == [1, 2] and snapshot.get(3) == [9, 4]  # a copy does not follow the table
     shared.restore(snapshot)
     assert a.recycled.get(3) == b.recycled.get(3) == [9, 4]  # restored for every drafter sharing it
+
+
+def test_a_step_teaches_each_row_under_its_token_and_the_pair_it_ends():
+    """The pending token's row follows the history's second to last token; a node's follows
+    its parent's token. A pair's list then outranks the token's alone in the proposal."""
+    d = TreeDrafter(budget=4)
+    d.reset([5, 6, 7])
+    d.observe([7, 8, 9], [[1, 2], [3], [4]], [-1, 0, 0])  # two children of the pending token
+    assert d.recycled.pairs == {(6, 7): [1, 2], (7, 8): [3], (7, 9): [4]}
+    assert d.recycled.get(7) == [1, 2] and d.recycled.get_pair(5, 7) is None
+    d.extend([8])  # history ... 6 7 8
+    d.observe([8], [[11]], [-1])  # under "7 8" and 8 alone
+    assert d.recycled.get_pair(7, 8) == [11] and d.recycled.get(8) == [11]
+    d.recycled.observe([8], [[12]], [3])  # 8 after 3 elsewhere: the token's list moves on
+    assert d.recycled.get(8) == [12]
+    tree = d.propose_tree(1)
+    assert tree.tokens == [11] and d.proposed_cells == [(0, False, 4)]  # the pair "7 8" decides
+
+
+def test_the_pair_table_keeps_the_newest_pairs_up_to_its_cap():
+    from quasar.speculative.tree_drafter import RecyclingTable
+
+    table = RecyclingTable(max_pairs=3)
+    table.observe([1, 2, 3], [[0], [0], [0]], [9, 1, 2])  # deepest row first: (2,3) (1,2) (9,1)
+    table.observe([2], [[5]], [1])  # (1,2) again: now the newest
+    table.observe([4], [[6]], [3])  # (3,4): the oldest, (2,3), goes
+    assert list(table.pairs) == [(9, 1), (1, 2), (3, 4)] and table.get_pair(1, 2) == [5]
+    copy = table.copy()
+    copy.observe([7], [[1]], [4])
+    assert len(copy.pairs) == 3 and (9, 1) not in copy.pairs and (9, 1) in table.pairs
