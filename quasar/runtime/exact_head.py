@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from quasar.errors import QuasarError
+from quasar.kernels import ext
 from quasar.runtime.q6k_linear import Q6KLinear
 from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.w8a8_numerics import quantize_weight
@@ -124,10 +125,19 @@ class ExactTopHead(nn.Module):
         w = self.exact.weight
         if w is None or w.dtype != torch.float32 or tuple(w.shape) != (self.out_features, self.in_features):
             raise QuasarError(f"the exact head needs float32 rows [{self.out_features}, {self.in_features}]")
-        kth = y.topk(self.top_k, dim=1).values[:, -1:]
-        rows, cols = torch.nonzero(y >= kth, as_tuple=True)
+        rows, cols = torch.nonzero(y >= self.kth_largest(y), as_tuple=True)
         y[rows, cols] = self.exact_logits(x2, rows, cols)
         return y
+
+    def kth_largest(self, y: Tensor, use_op: bool = True) -> Tensor:
+        """Each row's top_k-th largest logit [R, 1]: by the select op where it runs (one pass a
+        row, where torch.topk makes several), else (``use_op=False`` too) by torch. The same
+        value either way, NaN aside (the op never picks one)."""
+        op = ext.row_argmax_topk_op() if use_op and self.top_k <= ext.MAX_ROW_TOP_K else None
+        if op is not None and y.device.type == "cpu" and y.dtype == torch.float32 and y.is_contiguous():
+            _, top = op(y, self.top_k)
+            return y.gather(1, top[:, -1:])
+        return y.topk(self.top_k, dim=1).values[:, -1:]
 
     def exact_logits(self, x2: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
         """The float head's logit of token cols[i] for input row rows[i]: the float32 products

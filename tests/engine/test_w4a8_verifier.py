@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from quasar.kernels import ext
 from quasar.errors import QuasarError
 from quasar.models.loader import load_model
 from quasar.runtime.w8a8 import Int8Linear
@@ -113,6 +114,19 @@ def test_the_exact_head_recomputes_its_top_logits_from_the_float_rows() -> None:
         ExactTopHead(64, 300, top_k=0)
     with pytest.raises(QuasarError, match="needs float32 rows"):
         ExactTopHead.from_float(weight, top_k=8, tied=True)(x)
+
+
+def test_the_exact_heads_kth_largest_logit_is_torch_topks_ties_included() -> None:
+    """The select op gives each row's top_k-th largest logit exactly as torch.topk does, where
+    many logits tie (small integers) and where they do not; past its k, torch gives it."""
+    if ext.row_argmax_topk_op() is None:
+        pytest.skip("the kernel library is not built here")
+    gen = torch.Generator().manual_seed(7)
+    for top_k, y in ((8, torch.randint(-3, 4, (6, 500), generator=gen).float()),
+                     (64, torch.randn(5, 3000, generator=gen)), (65, torch.randn(2, 300, generator=gen))):
+        head = ExactTopHead(16, y.shape[1], top_k=top_k, device="meta")
+        assert torch.equal(head.kth_largest(y), head.kth_largest(y, use_op=False))
+        assert torch.equal(head.kth_largest(y), y.topk(top_k, dim=1).values[:, -1:])
 
 
 def test_layer_forward_is_the_reference_and_rows_are_independent() -> None:
