@@ -16,14 +16,14 @@ that greedy verification accepts the whole path. An edge's probability is measur
 prior: `EDGE_PROB` holds the acceptance rate of candidates by their evidence (the longest
 n-gram that proposes the token and whether that n-gram was followed by it at least half the
 time; its rank among the recycled verifier candidates, the pair's where it has them),
-counted over the W8A8 default
-model's greedy tree decoding of held-out prompts (`scripts/tools/tree_edge_stats.py`), and each
-sequence calibrates it on its own verified nodes (`PRIOR_WEIGHT`). The tree is
-grown best first: the `budget` likeliest nodes, where equal scores go to the more recent
-n-gram evidence. Scores never grow down a path, so every chosen node's parent is chosen too,
-and the nodes come out parents first (a `DraftTree`, with each node's score as `probs`, so
-the decode loop can keep only the nodes that pay for their rows). Siblings are distinct
-tokens (shared prefixes merged), as multi-candidate sampling requires.
+counted over the W8A8 default model's greedy tree decoding of held-out prompts
+(`scripts/tools/tree_edge_stats.py`), and each sequence calibrates it on its own verified
+nodes (`PRIOR_WEIGHT`). The tree is grown best first: the `budget` likeliest nodes, where
+equal scores go to the more recent n-gram evidence. Scores never grow down a path, so every
+chosen node's parent is chosen too, and the nodes come out parents first (a `DraftTree`,
+with each node's score as `probs`, so the decode loop can keep only the nodes that pay for
+their rows). Siblings are distinct tokens (shared prefixes merged), as multi-candidate
+sampling requires.
 
 Updates cost O(n_max) per history token and O(top_k) per verified row; proposing costs
 O(budget * (n_max + candidates per node) * log) and never depends on the history length.

@@ -2,12 +2,13 @@
 
     python scripts/tools/tree_edge_stats.py [--model default] [--n 13] [--budget 24] [--max-new-tokens 128]
 
-Decodes held-out prompts of the five bench tasks (task_prompts(task, n) minus the prompts the
-bench itself uses) greedily with the tree drafter at a large budget, no node dropped for its
-row cost, and counts, for every proposed node whose parent was accepted, whether it was
-accepted too, by its evidence: the longest n-gram proposing it, whether that n-gram's
-occurrences were followed by it at least half the time, and its rank among the recycled
-verifier candidates (the last two tokens' where that pair has a list, else the last token's).
+Decodes held-out prompts of the five bench tasks (task_prompts(task, n) minus the prompts
+the bench itself uses) greedily with the tree drafter at a large budget, no node dropped for
+its row cost, and counts, for every verified node whose parent was accepted (a proposal's
+tail past the step's row cap is never verified, so never counted), whether it was accepted
+too, by its evidence: the longest n-gram proposing it, whether that n-gram's occurrences
+were followed by it at least half the time, and its rank among the recycled verifier
+candidates (the last two tokens' where that pair has a list, else the last token's).
 Prints the acceptance rate per cell in EDGE_PROB's layout, with counts.
 """
 
