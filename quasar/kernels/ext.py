@@ -95,6 +95,7 @@ __all__ = [
     "decoder_layer_op",
     "row_argmax_topk_op",
     "refine_head_rows_op",
+    "refine_exact_rows_op",
     "int8_linear_op",
     "parallel_threads",
     "pack_tiles",
@@ -126,7 +127,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # gemm_w8a8/ (the int8 GEMM and its linear op), gemm_w4a8/ (the W4A8 GEMM and its op), step/
 # (the fused step's float kernels), attention/ (attention over a bfloat16 cache), amx/ (the
 # AMX GEMM and attention), decoder_layer/ (the fused step's orchestration, linears and
-# sparse MLP), head/ (per-row argmax / top-k and the refined head's logits); bindings.cpp
+# sparse MLP), head/ (per-row argmax / top-k and the exact and refined heads' logits); bindings.cpp
 # registers every op (ops.h). Files are named relative to CSRC, which is the include root.
 # The cache digest covers every file listed, names included.
 SOURCES = tuple(CSRC / f for f in (
@@ -135,7 +136,7 @@ SOURCES = tuple(CSRC / f for f in (
     "gemm_w8a8/linear_op.cpp", "gemm_w4a8/generic.cpp", "gemm_w4a8/x86_avx2.cpp", "gemm_w4a8/x86_avx512.cpp",
     "gemm_w4a8/linear_op.cpp", "step/generic.cpp", "step/x86_avx2.cpp", "step/x86_avx512.cpp",
     "attention/x86_avx512_bf16.cpp", "amx/gemm.cpp", "amx/attention.cpp", "decoder_layer/decoder_layer.cpp",
-    "decoder_layer/step_linears.cpp", "decoder_layer/sparse_mlp.cpp", "head/row_select.cpp", "head/refined_head.cpp"))
+    "decoder_layer/step_linears.cpp", "decoder_layer/sparse_mlp.cpp", "head/row_select.cpp", "head/refine_rows.cpp"))
 HEADERS = tuple(CSRC / f for f in (
     "ops.h", "common/cpu_features.h", "common/activation_quant.h", "common/simd_avx512.h", "common/head_dim.h",
     "gemm_w8a8/int8_gemm.h", "gemm_w8a8/kernels.h", "gemm_w4a8/w4a8_gemm.h", "gemm_w4a8/x86_common.h",
@@ -323,8 +324,15 @@ def row_argmax_topk_op() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | N
 def refine_head_rows_op() -> Callable[..., None] | None:
     """``torch.ops.quasar_quant.refine_head_rows`` (logits [R, V] float32, changed in place, qx
     int8 [R, K], sx [R, 1], the int8 head's weight [V, K] and weight_scale [V, 1], top_k <= 64):
-    RefinedHead's refinement bit for bit (csrc/head/refined_head.cpp); None without the op."""
+    RefinedHead's refinement bit for bit (csrc/head/refine_rows.cpp); None without the op."""
     return torch.ops.quasar_quant.refine_head_rows if int8_linear_op() is not None else None
+
+
+def refine_exact_rows_op() -> Callable[..., None] | None:
+    """``torch.ops.quasar_quant.refine_exact_rows`` (logits [R, V] float32, changed in place,
+    x [R, K] float32, weight [V, K] float32, top_k): ExactTopHead's refinement, its float64
+    sums in one fixed order (csrc/head/refine_rows.cpp); None without the op."""
+    return torch.ops.quasar_quant.refine_exact_rows if int8_linear_op() is not None else None
 
 
 def amx_attention_supported() -> bool:

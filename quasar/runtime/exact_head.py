@@ -117,26 +117,28 @@ class ExactTopHead(nn.Module):
         y = self.refine(self.approx(x2).float().contiguous(), x2)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def refine(self, y: Tensor, x2: Tensor) -> Tensor:
+    def refine(self, y: Tensor, x2: Tensor, use_op: bool = True) -> Tensor:
         """int8 logits y [R, V] of inputs x2 [R, in] with each row's logits at least its
-        top_k-th largest replaced by the exact ones, in place."""
+        top_k-th largest replaced by the exact ones, in place. By the C++ op where it runs (one
+        pass a row, where torch needs several; its float64 sums in its own fixed order), else
+        (``use_op=False`` too) in torch."""
         if not y.shape[0]:
             return y
         w = self.exact.weight
         if w is None or w.dtype != torch.float32 or tuple(w.shape) != (self.out_features, self.in_features):
             raise QuasarError(f"the exact head needs float32 rows [{self.out_features}, {self.in_features}]")
+        op = ext.refine_exact_rows_op() if use_op and self.top_k <= ext.MAX_ROW_TOP_K else None
+        if op is not None and y.device.type == "cpu" and y.dtype == torch.float32 and y.is_contiguous() \
+                and w.is_contiguous():
+            op(y, x2.contiguous(), w, self.top_k)
+            return y
         rows, cols = torch.nonzero(y >= self.kth_largest(y), as_tuple=True)
         y[rows, cols] = self.exact_logits(x2, rows, cols)
         return y
 
-    def kth_largest(self, y: Tensor, use_op: bool = True) -> Tensor:
-        """Each row's top_k-th largest logit [R, 1]: by the select op where it runs (one pass a
-        row, where torch.topk makes several), else (``use_op=False`` too) by torch. The same
-        value either way, NaN aside (the op never picks one)."""
-        op = ext.row_argmax_topk_op() if use_op and self.top_k <= ext.MAX_ROW_TOP_K else None
-        if op is not None and y.device.type == "cpu" and y.dtype == torch.float32 and y.is_contiguous():
-            _, top = op(y, self.top_k)
-            return y.gather(1, top[:, -1:])
+    def kth_largest(self, y: Tensor) -> Tensor:
+        """Each row's top_k-th largest logit [R, 1], torch.topk's (a NaN ranks above every
+        number), as the C++ refinement takes it."""
         return y.topk(self.top_k, dim=1).values[:, -1:]
 
     def exact_logits(self, x2: Tensor, rows: Tensor, cols: Tensor) -> Tensor:

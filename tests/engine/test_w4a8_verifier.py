@@ -116,19 +116,6 @@ def test_the_exact_head_recomputes_its_top_logits_from_the_float_rows() -> None:
         ExactTopHead.from_float(weight, top_k=8, tied=True)(x)
 
 
-def test_the_exact_heads_kth_largest_logit_is_torch_topks_ties_included() -> None:
-    """The select op gives each row's top_k-th largest logit exactly as torch.topk does, where
-    many logits tie (small integers) and where they do not; past its k, torch gives it."""
-    if ext.row_argmax_topk_op() is None:
-        pytest.skip("the kernel library is not built here")
-    gen = torch.Generator().manual_seed(7)
-    for top_k, y in ((8, torch.randint(-3, 4, (6, 500), generator=gen).float()),
-                     (64, torch.randn(5, 3000, generator=gen)), (65, torch.randn(2, 300, generator=gen))):
-        head = ExactTopHead(16, y.shape[1], top_k=top_k, device="meta")
-        assert torch.equal(head.kth_largest(y), head.kth_largest(y, use_op=False))
-        assert torch.equal(head.kth_largest(y), y.topk(top_k, dim=1).values[:, -1:])
-
-
 def test_layer_forward_is_the_reference_and_rows_are_independent() -> None:
     gen = torch.Generator().manual_seed(0)
     linear = nn.Linear(96, 40)
@@ -171,7 +158,7 @@ def test_the_refined_head_is_the_int8_heads_logits_where_the_4bit_ones_are_large
 
 @pytest.mark.parametrize("path", ["avx512-vnni", "portable"])
 def test_the_refine_op_gives_the_torch_paths_bits(path) -> None:
-    """The C++ refinement (csrc/head/refined_head.cpp) against RefinedHead's torch path, bit for bit:
+    """The C++ refinement (csrc/head/refine_rows.cpp) against RefinedHead's torch path, bit for bit:
     random logits, many ties, -0.0, rows holding fewer and more NaNs than top_k, one row and
     many; on the AVX512 scan and the plain one."""
     from quasar.kernels import ext
@@ -201,6 +188,46 @@ def test_the_refine_op_gives_the_torch_paths_bits(path) -> None:
     with pytest.raises(RuntimeError, match="top_k must be"):
         ext.refine_head_rows_op()(torch.zeros(1, 10), torch.zeros(1, 64, dtype=torch.int8), torch.ones(1, 1),
                                   torch.zeros(10, 64, dtype=torch.int8), torch.ones(10, 1), 11)
+
+
+@pytest.mark.parametrize("path", ["avx512-vnni", "portable"])
+def test_the_exact_refine_op_agrees_with_torch_and_keeps_rows_independent(path) -> None:
+    """ExactTopHead's C++ refinement (csrc/head/refine_rows.cpp) against its torch path: the same
+    logits refined (random logits, ties, -0.0, rows with fewer and more NaNs than top_k), each
+    refined logit the float64 dot product rounded to float32 (the two sum in different orders:
+    equal to an ulp), the rest untouched; a row gives the same bits alone as beside others."""
+    if ext.refine_exact_rows_op() is None:
+        pytest.skip("no C++ op (QUASAR_NO_EXT or no toolchain)")
+    if not ext.cpu_runs(path):
+        pytest.skip(f"this CPU does not run the {path} kernel path")
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(1000, 68, generator=gen)  # a hidden size that is not a multiple of 8
+    head = ExactTopHead.from_float(weight, top_k=16)
+    with ext.forced_kernel_path(path):
+        for trial in range(40):
+            rows = 1 if trial % 4 == 0 else int(torch.randint(2, 12, (1,), generator=gen))
+            x2 = torch.randn(rows, 68, generator=gen)
+            y = torch.randn(rows, 1000, generator=gen)
+            if trial % 3 == 0:
+                y = torch.randint(-4, 5, (rows, 1000), generator=gen).float()  # ties at the threshold
+                y[y == 0] = -0.0
+            if trial % 5 == 0:
+                y[0, torch.randint(0, 1000, (3,), generator=gen)] = float("nan")  # fewer NaNs than top_k
+                y[-1, torch.randint(0, 1000, (40,), generator=gen)] = float("nan")  # more: nothing refined
+            want = head.refine(y.clone(), x2, use_op=False)
+            got = head.refine(y.clone(), x2)
+            refined = y >= head.kth_largest(y)
+            assert torch.equal(got[~refined].view(torch.int32), y[~refined].view(torch.int32)), (path, trial)
+            exact = (weight.double() @ x2.double().T).T.float()  # the dot products, rounded once
+            torch.testing.assert_close(got[refined], exact[refined], rtol=3e-7, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1.2e-7, atol=0.0, equal_nan=True)
+            for r in range(rows):
+                alone = head.refine(y[r:r + 1].clone(), x2[r:r + 1])
+                assert torch.equal(alone[0].view(torch.int32), got[r].view(torch.int32)), (path, trial, r)
+    with pytest.raises(RuntimeError, match="top_k must be"):
+        ext.refine_exact_rows_op()(torch.zeros(1, 10), torch.zeros(1, 64), torch.zeros(10, 64), 11)
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        ext.refine_exact_rows_op()(torch.zeros(1, 10), torch.zeros(1, 64), torch.zeros(10, 64, dtype=torch.int8), 4)
 
 
 def test_bad_groups_are_clear_errors() -> None:

@@ -63,4 +63,6 @@ TORCH_LIBRARY(quasar_quant, m) {
       "refine_head_rows(Tensor(a!) logits, Tensor qx, Tensor sx, Tensor weight, Tensor weight_scale, int top_k, "
       "str path=\"\") -> ()",
       &refine_head_rows);
+  m.def("refine_exact_rows(Tensor(a!) logits, Tensor x, Tensor weight, int top_k, str path=\"\") -> ()",
+        &refine_exact_rows);
 }

@@ -75,3 +75,5 @@ bool w8a8_amx_attention_supported(const std::string& path);
 std::tuple<at::Tensor, at::Tensor> row_argmax_topk(const at::Tensor& logits, int64_t k, const std::string& path);
 void refine_head_rows(at::Tensor logits, const at::Tensor& qx, const at::Tensor& sx, const at::Tensor& weight,
                       const at::Tensor& weight_scale, int64_t top_k, const std::string& path);
+void refine_exact_rows(at::Tensor logits, const at::Tensor& x, const at::Tensor& weight, int64_t top_k,
+                       const std::string& path);

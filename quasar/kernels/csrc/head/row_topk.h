@@ -1,5 +1,5 @@
 // The k largest values of a logits row in one pass (k <= 64): the per-row top-k of a step's
-// logits (row_select.cpp) and the refined head's threshold (refined_head.cpp).
+// logits (row_select.cpp) and the heads' thresholds (refine_rows.cpp).
 #pragma once
 
 #include <cstdint>
