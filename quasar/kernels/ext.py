@@ -394,8 +394,13 @@ def w4a8_kernel_path() -> str:
 
 def decoder_layer_op() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.quasar_quant.w8a8_decoder_layers`` when the op is loaded (it runs on every
-    kernel path), else None."""
-    return torch.ops.quasar_quant.w8a8_decoder_layers if small_m_supported() else None
+    kernel path), else None. The packet's C++ function itself: called through the packet, an
+    op with a script-object argument walks every argument (over a thousand tensors a step)
+    in Python, looking for tracing objects a verifier step never passes."""
+    if not small_m_supported():
+        return None
+    packet = torch.ops.quasar_quant.w8a8_decoder_layers
+    return getattr(packet, "_op", packet)
 
 
 def info() -> dict[str, Any]:
