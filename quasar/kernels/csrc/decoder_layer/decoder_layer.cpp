@@ -291,13 +291,13 @@ struct BlockArgs {
   int64_t gelu;
 };
 
-// act = gelu_tanh(gate) * up per row of gu (gate then up, inter each), a plain loop on
-// every kernel path.
-void gelu_tanh_mul(const float* gu, int64_t rows, int64_t inter, float* act) {
+// act = gelu_tanh(gate) * up per row of gu (gate then up, inter each) for the columns [c0, c1),
+// a plain loop on every kernel path.
+void gelu_tanh_mul(const float* gu, int64_t rows, int64_t inter, int64_t c0, int64_t c1, float* act) {
   const float c = 0.7978845608028654f;  // sqrt(2 / pi)
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gu + r * 2 * inter;
-    for (int64_t i = 0; i < inter; ++i)
+    for (int64_t i = c0; i < c1; ++i)
       act[r * inter + i] = 0.5f * g[i] * (1.0f + std::tanh(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * g[inter + i];
   }
 }
@@ -759,9 +759,18 @@ void DecoderStep::mlp_block(int64_t l, const ThreadRows& tr) {
 #pragma omp barrier
   lg[2].run(tr.tid, tr.nt);
 #pragma omp barrier
-  if (tr.nr) (gelu_ ? gelu_tanh_mul : fk_.silu_mul)(gu_.data() + tr.r0 * 2 * p.inter, tr.nr, p.inter,
-                                                  act_.data() + tr.r0 * p.inter);
-  lg[3].quantize(act_.data(), tr.r0, tr.r1);
+  const auto act_fn = gelu_ ? gelu_tanh_mul : fk_.silu_mul;
+  if (T_ < tr.nt && lg[3].columns_split()) {  // fewer rows than threads: split each row's groups
+    const int64_t groups = p.inter / lg[3].group();
+    const int64_t c0 = groups * tr.tid / tr.nt * lg[3].group(), c1 = groups * (tr.tid + 1) / tr.nt * lg[3].group();
+    for (int64_t t = 0; t < T_; ++t) {
+      act_fn(gu_.data() + t * 2 * p.inter, 1, p.inter, c0, c1, act_.data() + t * p.inter);
+      lg[3].quantize_columns(act_.data(), t, c0, c1);
+    }
+  } else {
+    if (tr.nr) act_fn(gu_.data() + tr.r0 * 2 * p.inter, tr.nr, p.inter, 0, p.inter, act_.data() + tr.r0 * p.inter);
+    lg[3].quantize(act_.data(), tr.r0, tr.r1);
+  }
 #pragma omp barrier
   lg[3].run(tr.tid, tr.nt);
 #pragma omp barrier

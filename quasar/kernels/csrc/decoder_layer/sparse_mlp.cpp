@@ -192,7 +192,7 @@ void SparseStep::activate(int tid, int nt) {
     const int64_t lo = std::max(g0, a.first), hi = std::min(g1, a.first + a.rows), inter = a.mlp->inter;
     if (lo >= hi) continue;
     float* act = act_.data() + a.first * inter_max_;  // the expert's rows, inter apart
-    fk_.silu_mul(gu_.data() + a.first * 2 * inter_max_ + (lo - a.first) * 2 * inter, hi - lo, inter,
+    fk_.silu_mul(gu_.data() + a.first * 2 * inter_max_ + (lo - a.first) * 2 * inter, hi - lo, inter, 0, inter,
                  act + (lo - a.first) * inter);
     down_[i].quantize(act, lo - a.first, hi - a.first);
   }

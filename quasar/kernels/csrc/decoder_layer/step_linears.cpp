@@ -144,6 +144,14 @@ void StepGemm::quantize(const float* x, int64_t r0, int64_t r1) const {
   }
 }
 
+void StepGemm::quantize_columns(const float* x, int64_t r, int64_t c0, int64_t c1) const {
+  const int64_t K = in_->k, G = K / in_->group, g0 = c0 / in_->group, at = row0_ + r;
+  if (c1 <= c0) return;
+  w4_quantize_groups(x + r * K + c0, 1, c1 - c0, in_->group, acts_->w4q.data() + at * K + c0,
+                     acts_->w4sx.data() + at * G + g0, acts_->w4xs.data() + at * G + g0,
+                     acts_->w4xh.data() + at * 2 * G + 2 * g0, path_);
+}
+
 void StepGemm::run(int tid, int nt) const {
   if (i8_) {
     const int64_t v = i8_->vectors();

@@ -98,6 +98,12 @@ class StepGemm {
            int64_t row0 = 0);
   // Quantize rows [r0, r1) of x [M, K] in the forms the linears need.
   void quantize(const float* x, int64_t r0, int64_t r1) const;
+  // Columns [c0, c1) of row r of x, for linears that are all 4-bit (columns_split()) and c0,
+  // c1 multiples of group(): each group of a row is quantized alone, so any split of a row's
+  // groups gives the bits quantize() gives.
+  bool columns_split() const { return !in_->n_i8 && in_->n_w4; }
+  int64_t group() const { return in_->group; }
+  void quantize_columns(const float* x, int64_t r, int64_t c0, int64_t c1) const;
   // Thread tid of nt: its share of the int8 vectors and of the 4-bit ones.
   void run(int tid, int nt) const;
   // Its output vectors (16 columns of one linear each), the int8 ones first, and vectors

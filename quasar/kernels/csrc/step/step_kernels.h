@@ -51,8 +51,9 @@ using AttendB16Fn = void (*)(const float* const* qs, const int64_t* ns, const Ke
 struct FloatKernels {
   // out[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for `rows` rows of length n.
   void (*rms_norm)(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* out);
-  // act[r, c] = silu(gu[r, c]) * gu[r, inter + c]: gate and up side by side in gu.
-  void (*silu_mul)(const float* gu, int64_t rows, int64_t inter, float* act);
+  // act[r, c] = silu(gu[r, c]) * gu[r, inter + c] for the columns c in [c0, c1): gate and up
+  // side by side in gu. Each element alone, so any split of the columns gives the same bits.
+  void (*silu_mul)(const float* gu, int64_t rows, int64_t inter, int64_t c0, int64_t c1, float* act);
   // x += y over n floats.
   void (*add_into)(float* x, const float* y, int64_t n);
   // The attention kernel for head_dim d over chains (paths = false) or tree rows; null

@@ -164,15 +164,15 @@ struct F32Attention {
   };
 };
 
-// act[r, c] = silu(gu[r, c]) * gu[r, inter + c]: gate and up side by side in gu.
-QUASAR_AVX512 void silu_mul(const float* gu, int64_t rows, int64_t inter, float* act) {
+// act[r, c] = silu(gu[r, c]) * gu[r, inter + c] for c in [c0, c1): gate and up side by side in gu.
+QUASAR_AVX512 void silu_mul(const float* gu, int64_t rows, int64_t inter, int64_t c0, int64_t c1, float* act) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gu + r * 2 * inter;
     const float* u = g + inter;
     float* o = act + r * inter;
-    for (int64_t c = 0; c < inter; c += 16) {
-      const __mmask16 m = tail_mask(inter - c);
+    for (int64_t c = c0; c < c1; c += 16) {
+      const __mmask16 m = tail_mask(c1 - c);
       const __m512 gv = _mm512_maskz_loadu_ps(m, g + c);
       const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       _mm512_mask_storeu_ps(o + c, m, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(m, u + c)));
