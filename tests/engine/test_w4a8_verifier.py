@@ -156,6 +156,23 @@ def test_the_refined_head_is_the_int8_heads_logits_where_the_4bit_ones_are_large
         RefinedHead(64, 300, top_k=0)
 
 
+def refine_trials(gen: torch.Generator, hidden: int, trials: int = 40):
+    """(trial, inputs [rows, hidden], logits [rows, 1000]) for the refine ops: one row and many,
+    random logits, many ties at the threshold (with -0.0), rows with fewer and more NaNs than
+    a top_k of 16."""
+    for trial in range(trials):
+        rows = 1 if trial % 4 == 0 else int(torch.randint(2, 12, (1,), generator=gen))
+        x2 = torch.randn(rows, hidden, generator=gen)
+        y = torch.randn(rows, 1000, generator=gen)
+        if trial % 3 == 0:
+            y = torch.randint(-4, 5, (rows, 1000), generator=gen).float()  # ties at the threshold
+            y[y == 0] = -0.0
+        if trial % 5 == 0:
+            y[0, torch.randint(0, 1000, (3,), generator=gen)] = float("nan")  # fewer NaNs than top_k
+            y[-1, torch.randint(0, 1000, (40,), generator=gen)] = float("nan")  # more: nothing refined
+        yield trial, x2, y
+
+
 @pytest.mark.parametrize("path", ["avx512-vnni", "portable"])
 def test_the_refine_op_gives_the_torch_paths_bits(path) -> None:
     """The C++ refinement (csrc/head/refine_rows.cpp) against RefinedHead's torch path, bit for bit:
@@ -170,16 +187,8 @@ def test_the_refine_op_gives_the_torch_paths_bits(path) -> None:
     gen = torch.Generator().manual_seed(5)
     head = RefinedHead.from_float(torch.randn(1000, 64, generator=gen), top_k=16)
     with ext.forced_kernel_path(path):
-        for trial in range(40):
-            rows = 1 if trial % 4 == 0 else int(torch.randint(2, 12, (1,), generator=gen))
-            x2 = torch.randn(rows, 64, generator=gen)
-            y = torch.randn(rows, 1000, generator=gen)
-            if trial % 3 == 0:
-                y = torch.randint(-4, 5, (rows, 1000), generator=gen).float()  # ties at the threshold
-                y[y == 0] = -0.0
-            if trial % 5 == 0:
-                y[0, torch.randint(0, 1000, (3,), generator=gen)] = float("nan")  # fewer NaNs than top_k
-                y[-1, torch.randint(0, 1000, (40,), generator=gen)] = float("nan")  # more: nothing refined
+        for trial, x2, y in refine_trials(gen, 64):
+            rows = len(y)
             want = head.refine(y.clone(), x2, use_op=False)
             got = head.refine(y.clone(), x2)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (path, trial)
@@ -204,16 +213,8 @@ def test_the_exact_refine_op_agrees_with_torch_and_keeps_rows_independent(path) 
     weight = torch.randn(1000, 68, generator=gen)  # a hidden size that is not a multiple of 8
     head = ExactTopHead.from_float(weight, top_k=16)
     with ext.forced_kernel_path(path):
-        for trial in range(40):
-            rows = 1 if trial % 4 == 0 else int(torch.randint(2, 12, (1,), generator=gen))
-            x2 = torch.randn(rows, 68, generator=gen)
-            y = torch.randn(rows, 1000, generator=gen)
-            if trial % 3 == 0:
-                y = torch.randint(-4, 5, (rows, 1000), generator=gen).float()  # ties at the threshold
-                y[y == 0] = -0.0
-            if trial % 5 == 0:
-                y[0, torch.randint(0, 1000, (3,), generator=gen)] = float("nan")  # fewer NaNs than top_k
-                y[-1, torch.randint(0, 1000, (40,), generator=gen)] = float("nan")  # more: nothing refined
+        for trial, x2, y in refine_trials(gen, 68):
+            rows = len(y)
             want = head.refine(y.clone(), x2, use_op=False)
             got = head.refine(y.clone(), x2)
             refined = y >= head.kth_largest(y)
