@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from quasar.errors import QuasarError
 from quasar.kernels import ext
 from quasar.runtime.q6k_linear import Q6KLinear
+from quasar.runtime.refined_head import op_applies, refine_in_torch
 from quasar.runtime.w8a8 import Int8Linear
 from quasar.runtime.w8a8_numerics import quantize_weight
 
@@ -127,19 +128,11 @@ class ExactTopHead(nn.Module):
         w = self.exact.weight
         if w is None or w.dtype != torch.float32 or tuple(w.shape) != (self.out_features, self.in_features):
             raise QuasarError(f"the exact head needs float32 rows [{self.out_features}, {self.in_features}]")
-        op = ext.refine_exact_rows_op() if use_op and self.top_k <= ext.MAX_ROW_TOP_K else None
-        if op is not None and y.device.type == "cpu" and y.dtype == torch.float32 and y.is_contiguous() \
-                and w.is_contiguous():
+        op = ext.refine_exact_rows_op() if use_op and op_applies(y, self.top_k) and w.is_contiguous() else None
+        if op is not None:
             op(y, x2.contiguous(), w, self.top_k)
             return y
-        rows, cols = torch.nonzero(y >= self.kth_largest(y), as_tuple=True)
-        y[rows, cols] = self.exact_logits(x2, rows, cols)
-        return y
-
-    def kth_largest(self, y: Tensor) -> Tensor:
-        """Each row's top_k-th largest logit [R, 1], torch.topk's (a NaN ranks above every
-        number), as the C++ refinement takes it."""
-        return y.topk(self.top_k, dim=1).values[:, -1:]
+        return refine_in_torch(y, x2, self.top_k, self.exact_logits)
 
     def exact_logits(self, x2: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
         """The float head's logit of token cols[i] for input row rows[i]: the float32 products

@@ -22,6 +22,8 @@ False, so the bytes a step reads count only the 4-bit head).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -39,6 +41,27 @@ _FIT_ELEMENTS = 1 << 22
 # (row, token) pairs recomputed at a time: a fidelity window of 2048 rows refines 131k pairs,
 # whose int32 operands would be 1.6 GB at once at 1.5B
 _EXACT_PAIRS = 8192
+
+
+def op_applies(y: Tensor, top_k: int) -> bool:
+    """Whether a head's C++ refinement takes logits y [R, V] and top_k: contiguous float32 on
+    the CPU, top_k within the row scan's limit."""
+    return y.device.type == "cpu" and y.dtype == torch.float32 and y.is_contiguous() and top_k <= ext.MAX_ROW_TOP_K
+
+
+def kth_largest(y: Tensor, top_k: int) -> Tensor:
+    """Each row's top_k-th largest logit [R, 1], torch.topk's (a NaN ranks above every number):
+    the threshold both heads refine from, in torch and in C++ (csrc/head/refine_rows.cpp)."""
+    return y.topk(top_k, dim=1).values[:, -1:]
+
+
+def refine_in_torch(y: Tensor, x2: Tensor, top_k: int,
+                    exact_logits: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """The heads' torch refinement: each row's logits at least its kth_largest (ties included)
+    become exact_logits(x2, rows, cols), in place."""
+    rows, cols = torch.nonzero(y >= kth_largest(y, top_k), as_tuple=True)
+    y[rows, cols] = exact_logits(x2, rows, cols)
+    return y
 
 
 class RefinedHead(nn.Module):
@@ -81,15 +104,12 @@ class RefinedHead(nn.Module):
         too: the op's contract, for tests) in torch."""
         if not y.shape[0]:
             return y
-        op = ext.refine_head_rows_op() if use_op and self.top_k <= ext.MAX_ROW_TOP_K else None
-        if op is not None and y.device.type == "cpu" and y.dtype == torch.float32 and y.is_contiguous():
+        op = ext.refine_head_rows_op() if use_op and op_applies(y, self.top_k) else None
+        if op is not None:
             qx, sx = quantize_activation(x2)
             op(y, qx, sx, self.exact.weight, self.exact.weight_scale, self.top_k)
             return y
-        kth = y.topk(self.top_k, dim=1).values[:, -1:]
-        rows, cols = torch.nonzero(y >= kth, as_tuple=True)
-        y[rows, cols] = self.exact_logits(x2, rows, cols)
-        return y
+        return refine_in_torch(y, x2, self.top_k, self.exact_logits)
 
     def exact_logits(self, x2: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
         """The int8 head's logits of token cols[i] for input row rows[i]: per-token int8
