@@ -105,6 +105,7 @@ __all__ = [
     "amx_supported",
     "amx_min_rows",
     "prefetch_whole_stream",
+    "w4_prefetch_distance",
     "bf16_kv_supported",
     "amx_attention_supported",
     "pack_w4",
@@ -266,6 +267,26 @@ def prefetch_whole_stream(value: bool | None = None) -> bool:
         return _prefetch_whole
     previous = bool(torch.ops.quasar_quant.int8_stream_prefetch(-1 if value is None else int(bool(value))))
     _prefetch_whole = previous if value is None else bool(value)
+    return previous
+
+
+_w4_prefetch_bytes: int | None = None  # the op's distance as last read or set here
+
+
+def w4_prefetch_distance(value: int | None = None) -> int:
+    """How many bytes ahead the W4A8 kernels' passes prefetch their weights (a multiple of 64
+    in [1 KiB, 1 MiB]; 32 KiB by default). The best distance depends on the CPU, so
+    ``quasar.runtime.step_cost`` measures it per model and the fused step sets its model's
+    before each call. With ``value``, set it process-wide and return the previous one; setting
+    the distance it already has costs no op call. A bad value is a RuntimeError naming it.
+    Speed only: never a bit of the results. 0 without the op."""
+    global _w4_prefetch_bytes
+    if int8_linear_op() is None:
+        return 0
+    if value is not None and value == _w4_prefetch_bytes:
+        return _w4_prefetch_bytes
+    previous = int(torch.ops.quasar_quant.w4_prefetch_distance(-1 if value is None else int(value)))
+    _w4_prefetch_bytes = previous if value is None else int(value)
     return previous
 
 

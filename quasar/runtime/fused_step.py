@@ -97,8 +97,10 @@ class FusedW8A8Step:
             return None
         cfg, p = self.model.config, self._plan
         costs = self.model.step_costs
-        if costs is not None and costs.prefetch_whole is not None:  # this model's measured way
+        if costs is not None and costs.prefetch_whole is not None:  # this model's measured ways
             ext.prefetch_whole_stream(costs.prefetch_whole)
+        if costs is not None and costs.prefetch_bytes is not None:
+            ext.w4_prefetch_distance(costs.prefetch_bytes)
         block = p.block
         if block and cos.dim() == 3:  # stacked: the global layers' table, then the sliding layers'
             block = dict(block, cos_local=cos[1], sin_local=sin[1])

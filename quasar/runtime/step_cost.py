@@ -30,7 +30,12 @@ rounds, need not). :class:`StepCosts` turns them into what the decoder weighs dr
   its weight streams prefetched in software throughout or only at their starts
   (``ext.prefetch_whole_stream``; the probe times one-row steps both ways, interleaved, and
   :func:`install_measured` sets the faster). It depends on the CPU's hardware prefetcher and
-  on how long the model's streams are.
+  on how long the model's streams are;
+- ``prefetch_bytes``: for a model with W4A8 layers on a SIMD path, how far ahead their
+  kernels prefetch (``ext.w4_prefetch_distance``): the one of ``PREFETCH_DISTANCES`` whose
+  steps of ``DISTANCE_ROWS`` rows are fastest, timed interleaved before the probe above
+  (which runs at it). Too far ahead and a step of several rows evicts lines before it reads
+  them on some CPUs; too near and the lines arrive late on others.
 
 ``scripts/tools/step_rows.py`` prints the same times with their floor.
 """
@@ -55,7 +60,7 @@ from quasar.paths import cache_dir
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
 
-__all__ = ["PREFETCH_CHOICE_PATHS", "PROBE_ROWS", "StepCosts", "current", "expected_experts", "expert_row_cost",
+__all__ = ["PREFETCH_CHOICE_PATHS", "PREFETCH_DISTANCES", "PROBE_ROWS", "StepCosts", "current", "expected_experts", "expert_row_cost",
            "install_measured", "key_cost", "measure", "prior_pass_rows", "step_bytes", "touched_bytes",
            "prior_row_cost"]
 
@@ -76,10 +81,14 @@ TREE_ROWS = 16  # a step that takes 16 cheap rows is worth drafting trees for
 TREE_STEP_SECONDS = 0.010
 _ROUNDS = 7
 _PROMPT_TOKENS = 32
-_VERSION = 3  # of the probe: a change here invalidates cached results
+_VERSION = 4  # of the probe: a change here invalidates cached results
 # Kernel paths whose int8 one-row passes can leave their stream to the hardware prefetcher
 # (the W4A8 kernels can on every path but the portable one).
 PREFETCH_CHOICE_PATHS = ("avx2", "avx-vnni")
+# The W4A8 kernels' prefetch distances the probe tries, and the rows of the steps it times
+# them by: a tree step's usual few.
+PREFETCH_DISTANCES = (8 << 10, 16 << 10, 32 << 10)
+DISTANCE_ROWS = (2, 4)
 
 
 # ---------------------------------------------------------------- priors
@@ -203,6 +212,7 @@ class StepCosts:
     seconds: tuple[float, ...]
     kernel_path: str
     prefetch_whole: bool | None = None  # None: the path has no such choice
+    prefetch_bytes: int | None = None  # None: no W4A8 layers, or the portable path
 
     def ratio(self, k: int) -> float:
         """A k-row step's time over a one-row step's."""
@@ -250,41 +260,66 @@ def _cache_key(model: nn.Module, path: str) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
-def _probe(model: nn.Module, choose_prefetch: bool) -> tuple[tuple[float, ...], bool | None]:
+def _probe(model: nn.Module, choose_prefetch: bool,
+           choose_distance: bool) -> tuple[tuple[float, ...], bool | None, int | None]:
     """The time of a step of each of PROBE_ROWS rows after a short prompt, in a cache of its own
     (the model's cache is put back): the fastest one-row step, and the k-row steps as that
     times the median ratio of a round's k-row step to its one-row step. choose_prefetch:
     one-row steps are timed with the whole stream prefetched and with only its starts, in
-    turn, and the faster way is returned with its time (else None and the current way's)."""
+    turn, and the faster way is returned with its time (else None and the current way's).
+    choose_distance: first, steps of DISTANCE_ROWS rows are timed at each of
+    PREFETCH_DISTANCES in turn, and the rest runs at (and returns) the fastest (else None)."""
     saved, saved_prefetch, saved_costs = model.cache, ext.prefetch_whole_stream(), model.step_costs
+    saved_distance = ext.w4_prefetch_distance()
     model.cache = None
-    model.step_costs = None  # else the fused step would set its earlier choice over the probe's
+    model.step_costs = None  # else the fused step would set its earlier choices over the probe's
     ways = (True, False) if choose_prefetch else (saved_prefetch,)
     try:
         model.setup_cache(_PROMPT_TOKENS + max(PROBE_ROWS) + 1, 1)
         ids = [(7 * i + 3) % model.config.vocab_size for i in range(_PROMPT_TOKENS)]
-        times: dict[tuple[int, bool], list[float]] = {}
+
+        def step_seconds(k: int) -> float:
+            rows = Rows.chain(ids[:k], 0, model.cache.lengths)
+            t0 = time.perf_counter()
+            model.step(rows)
+            return time.perf_counter() - t0
+
         with torch.inference_mode():
             model(torch.tensor([ids]), logits="none")
             for k in PROBE_ROWS:  # warm-up: scratch buffers of each size
-                model.step(Rows.chain(ids[:k], 0, model.cache.lengths))
+                step_seconds(k)
+            distance = _fastest_distance(step_seconds) if choose_distance else None
+            if distance is not None:
+                ext.w4_prefetch_distance(distance)
+            times: dict[tuple[int, bool], list[float]] = {}
             for _ in range(_ROUNDS):
                 for k in PROBE_ROWS:
                     for way in ways if k == 1 else (saved_prefetch,):  # only one-row passes differ
                         ext.prefetch_whole_stream(way)
-                        rows = Rows.chain(ids[:k], 0, model.cache.lengths)
-                        t0 = time.perf_counter()
-                        model.step(rows)
-                        times.setdefault((k, way), []).append(time.perf_counter() - t0)
+                        times.setdefault((k, way), []).append(step_seconds(k))
         best = min(ways, key=lambda way: min(times[(1, way)]))
         one = times[(1, saved_prefetch)]  # each round's one-row step, beside its k-row ones
         seconds = tuple(min(times[(1, best)]) if k == 1 else
                         min(one) * statistics.median(t / o for t, o in zip(times[(k, saved_prefetch)], one))
                         for k in PROBE_ROWS)
-        return seconds, (best if choose_prefetch else None)
+        return seconds, (best if choose_prefetch else None), distance
     finally:
         model.cache, model.step_costs = saved, saved_costs
         ext.prefetch_whole_stream(saved_prefetch)
+        ext.w4_prefetch_distance(saved_distance)
+
+
+def _fastest_distance(step_seconds) -> int:
+    """The prefetch distance of PREFETCH_DISTANCES whose steps of DISTANCE_ROWS rows take the
+    least time: each distance's median step of each row count, in rounds that take the
+    distances in turn (so a drift of the host's bandwidth reaches them alike), summed."""
+    times: dict[tuple[int, int], list[float]] = {}
+    for _ in range(_ROUNDS):
+        for d in PREFETCH_DISTANCES:
+            ext.w4_prefetch_distance(d)
+            for k in DISTANCE_ROWS:
+                times.setdefault((d, k), []).append(step_seconds(k))
+    return min(PREFETCH_DISTANCES, key=lambda d: sum(statistics.median(times[(d, k)]) for k in DISTANCE_ROWS))
 
 
 def measure(model: nn.Module) -> StepCosts | None:
@@ -293,23 +328,24 @@ def measure(model: nn.Module) -> StepCosts | None:
     if getattr(model, "step_kernel", None) is None or ext.decoder_layer_op() is None:
         return None
     path = ext.kernel_path()
+    has_w4 = path != "portable" and any(isinstance(m, W4A8Linear) for m in model.modules())
     # every path's W4A8 kernels have the choice, the AVX2 / AVX-VNNI int8 ones too
-    choose_prefetch = path in PREFETCH_CHOICE_PATHS or (
-        path != "portable" and any(isinstance(m, W4A8Linear) for m in model.modules()))
+    choose_prefetch = path in PREFETCH_CHOICE_PATHS or has_w4
     file = cache_dir("step_costs") / f"{_cache_key(model, path)}.json"
     try:
         saved = json.loads(file.read_text())
         seconds = tuple(float(s) for s in saved["seconds"])
-        prefetch = saved.get("prefetch_whole")
-        if len(seconds) == len(PROBE_ROWS) and (prefetch in (True, False)) == choose_prefetch:
-            return StepCosts(PROBE_ROWS, seconds, path, prefetch)
+        prefetch, distance = saved.get("prefetch_whole"), saved.get("prefetch_bytes")
+        if len(seconds) == len(PROBE_ROWS) and (prefetch in (True, False)) == choose_prefetch and \
+                (distance in PREFETCH_DISTANCES if has_w4 else distance is None):
+            return StepCosts(PROBE_ROWS, seconds, path, prefetch, distance)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # not measured yet (or unreadable): measure again
-    seconds, prefetch = _probe(model, choose_prefetch)
+    seconds, prefetch, distance = _probe(model, choose_prefetch, has_w4)
     if _plausible(seconds):  # else a busy machine disturbed the probe: measure again next time
         write_atomic(file, json.dumps({"rows": PROBE_ROWS, "seconds": seconds, "kernel_path": path,
-                                       "prefetch_whole": prefetch}))
-    return StepCosts(PROBE_ROWS, seconds, path, prefetch)
+                                       "prefetch_whole": prefetch, "prefetch_bytes": distance}))
+    return StepCosts(PROBE_ROWS, seconds, path, prefetch, distance)
 
 
 def _plausible(seconds: tuple[float, ...]) -> bool:
@@ -325,8 +361,10 @@ def install_measured(model: nn.Module) -> StepCosts | None:
     if costs is not None:
         model.row_cost, model.row_prices, model.pass_rows = costs.row_cost, costs.row_prices, costs.pass_rows
         model.step_costs = costs
-        if costs.prefetch_whole is not None:  # the fused step sets it again before each of its calls
+        if costs.prefetch_whole is not None:  # the fused step sets them again before each of its calls
             ext.prefetch_whole_stream(costs.prefetch_whole)
+        if costs.prefetch_bytes is not None:
+            ext.w4_prefetch_distance(costs.prefetch_bytes)
     return costs
 
 

@@ -80,10 +80,11 @@ def test_bitwise_equal_to_reference_and_row_invariant(w4_path, k: int, group: in
                 assert torch.equal(w4_path(x[i:i + 1], packed, n, k, group, b), want[i:i + 1]), (n, i)
 
 
-def test_prefetching_only_stream_starts_changes_no_bit(w4_path) -> None:
+def test_prefetch_settings_change_no_bit(w4_path) -> None:
     """One-row passes past each thread's first 64 KiB of a weight may leave the stream to the
-    hardware prefetcher (ext.prefetch_whole_stream(False)); a weight of 320 KiB takes both
-    kinds of pass, and either way the outputs are the reference's bits."""
+    hardware prefetcher (ext.prefetch_whole_stream(False)), and every pass that prefetches asks
+    ext.w4_prefetch_distance() bytes ahead; a weight of 320 KiB takes every kind of pass, one
+    row and three, and any way the outputs are the reference's bits."""
     from quasar.kernels import ext
 
     gen = torch.Generator().manual_seed(5)
@@ -92,15 +93,32 @@ def test_prefetching_only_stream_starts_changes_no_bit(w4_path) -> None:
     packed = _pack(q, scales, offsets, group)
     x = torch.randn(3, k, generator=gen)
     want = reference_linear_w4a8(x, q, scales, offsets, None, group)
-    before = ext.prefetch_whole_stream()
+    before, before_distance = ext.prefetch_whole_stream(), ext.w4_prefetch_distance()
     try:
-        for whole in (True, False):
+        for whole, distance in ((True, 32 << 10), (False, 32 << 10), (True, 1 << 10), (True, 1 << 20)):
             ext.prefetch_whole_stream(whole)
-            assert ext.prefetch_whole_stream() is whole
+            ext.w4_prefetch_distance(distance)
+            assert ext.prefetch_whole_stream() is whole and ext.w4_prefetch_distance() == distance
+            assert torch.equal(w4_path(x, packed, n, k, group, None), want), (whole, distance)
             for i in range(3):
                 assert torch.equal(w4_path(x[i:i + 1], packed, n, k, group, None), want[i:i + 1]), (whole, i)
     finally:
         ext.prefetch_whole_stream(before)
+        ext.w4_prefetch_distance(before_distance)
+
+
+@pytest.mark.parametrize("bad", [100, 512, (1 << 20) + 64])
+def test_a_prefetch_distance_outside_the_range_is_refused(bad: int) -> None:
+    """A distance must be a multiple of 64 bytes in [1 KiB, 1 MiB]; the error names it and the
+    setting stays as it was."""
+    from quasar.kernels import ext
+
+    if ext.w4a8_linear_op() is None:
+        pytest.skip("needs the C++ ops")
+    before = ext.w4_prefetch_distance()
+    with pytest.raises(RuntimeError, match=f"multiple of 64 bytes.*got {bad}"):
+        ext.w4_prefetch_distance(bad)
+    assert ext.w4_prefetch_distance() == before
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

@@ -101,9 +101,9 @@ def test_measured_costs_are_cached_per_kernel_path_unless_disturbed(tiny_w8a8, d
     probes = []
     plan = [(1e-3, 1.1e-3, 1.2e-3, 1.4e-3, 2.0e-3), (1e-3, 1e-3, 2e-4, 1.4e-3, 2.0e-3)]  # the second: disturbed
 
-    def fake_probe(model, choose_prefetch):
+    def fake_probe(model, choose_prefetch, choose_distance):
         probes.append(model)
-        return plan[min(len(probes) - 1, 1)], (False if choose_prefetch else None)
+        return plan[min(len(probes) - 1, 1)], (False if choose_prefetch else None), None
 
     monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
     monkeypatch.setattr(step_cost, "_probe", fake_probe)
@@ -136,6 +136,7 @@ def test_probe_picks_how_the_avx2_stream_is_prefetched_and_results_do_not_change
         with ext.forced_kernel_path("avx2"):
             measured = step_cost.install_measured(q)
             assert measured.kernel_path == "avx2" and measured.prefetch_whole in (True, False)
+            assert measured.prefetch_bytes is None  # no W4A8 layers: no distance to choose
             assert ext.prefetch_whole_stream() == measured.prefetch_whole
             assert step_cost.measure(q) == measured  # the choice is cached with the times
             q.setup_cache(64, 1)

@@ -121,6 +121,36 @@ def test_replacing_a_linear_rebuilds_the_plan(models):
     assert torch.equal(step_logits(q, ids, 3, fused=True), before)
 
 
+def test_the_probe_picks_a_prefetch_distance_that_each_step_sets(models, tmp_path, monkeypatch):
+    """For a model with W4A8 layers the probe times steps at each of PREFETCH_DISTANCES, keeps
+    the fastest with the costs (cached) and installs it; the fused step sets its model's
+    distance before each call (another model's may be set meanwhile); the distance changes
+    speed only: a step's logits are bitwise the same at any."""
+    from quasar.runtime import step_cost
+
+    monkeypatch.setenv("QUASAR_CACHE", str(tmp_path))
+    _, q, ids = models["llama", "mixed"]
+    before, saved = ext.w4_prefetch_distance(), q.step_costs
+    try:
+        measured = step_cost.install_measured(q)
+        if ext.kernel_path() == "portable":  # QUASAR_ISA=portable: its kernel never prefetches
+            assert measured.prefetch_bytes is None
+            pytest.skip("the portable path has no prefetch distance to choose")
+        assert measured.prefetch_bytes in step_cost.PREFETCH_DISTANCES
+        assert ext.w4_prefetch_distance() == measured.prefetch_bytes
+        assert step_cost.measure(q) == measured  # cached with the times
+        want = step_logits(q, ids, 3, fused=True)
+        for other in (1 << 10, 1 << 20):
+            ext.w4_prefetch_distance(other)  # another model's choice, set meanwhile
+            with fused_calls(q) as calls:
+                got = step_logits(q, ids, 3, fused=True)
+            assert calls and all(calls) and torch.equal(got, want)
+            assert ext.w4_prefetch_distance() == measured.prefetch_bytes
+    finally:
+        q.step_costs = saved
+        ext.w4_prefetch_distance(before)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "tree"])
 def test_greedy_speculative_equals_autoregressive_through_llm(tmp_path_factory, drafter):
     from quasar.api import LLM

@@ -37,6 +37,7 @@ TORCH_LIBRARY(quasar_quant, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, int N, int K, int group, Tensor? bias=None, str path=\"\") -> Tensor");
   m.impl("w4a8_linear", c10::DispatchKey::CPU, TORCH_FN(w4a8_linear));
   m.def("w4a8_kernel_path(str disable=\"\") -> str", &w4a8_kernel_path);
+  m.def("w4_prefetch_distance(int bytes=-1) -> int", &w4_prefetch_distance);
 
   // the fused decoder step
   m.class_<quasar::ExpertPlan>("ExpertPlan");

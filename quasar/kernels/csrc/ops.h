@@ -43,6 +43,7 @@ at::Tensor w4_pack_q6k(const at::Tensor& q, const at::Tensor& sub_scales, const 
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t K, int64_t group,
                        const std::optional<at::Tensor>& bias, const std::string& path);
 std::string w4a8_kernel_path(const std::string& disable);
+int64_t w4_prefetch_distance(int64_t bytes);
 
 // decoder_layer/decoder_layer.cpp: the fused decoder step
 at::Tensor w8a8_decoder_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,

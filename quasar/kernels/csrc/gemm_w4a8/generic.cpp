@@ -88,7 +88,7 @@ void q6k_rows_portable(const uint8_t* vec, int64_t K, const W4Acts& a, int64_t r
 // u8 x s8 dot product for each of 16 lanes, once for the low nibbles and once for the high:
 // where a NEON `udot`/`usdot` over the unpacked nibbles (vandq / vshrq) would slot in.
 void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                      bool /*prefetch: none here*/) {
+                      int64_t /*ahead: no prefetch here*/) {
   if (w4_is_q6k(form)) return q6k_rows_portable(vec, K, a, rows, out);
   const int64_t group = w4_group_size(form), groups = K / group, steps = group / 8;
   for (int64_t r = 0; r < rows; ++r) {
@@ -149,6 +149,14 @@ W4RowsFn w4_kernel(KernelPath p) {
   return w4_rows_portable;
 }
 
+namespace {
+std::atomic<int64_t> g_prefetch_bytes{kW4PrefetchDefault};
+}  // namespace
+
+int64_t w4_prefetch_bytes() { return g_prefetch_bytes.load(std::memory_order_relaxed); }
+
+int64_t w4_set_prefetch_bytes(int64_t bytes) { return g_prefetch_bytes.exchange(bytes); }
+
 int64_t w4_max_rows(KernelPath path) {
   switch (path) {
     case KernelPath::kAmx:
@@ -205,7 +213,7 @@ void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64
   for (int64_t r0 = 0; r0 < M; r0 += max_rows) {  // the first pass reads the vector, later ones hit cache
     const int64_t rows = std::min(max_rows, M - r0);
     const W4Acts acts{a.q + r0 * a.ldq, a.ldq, a.sx + r0 * a.ldg, a.xs + r0 * a.ldg, a.ldg, a.xh + r0 * 2 * a.ldg};
-    kernel(vec, K, form, acts, rows, out, r0 == 0 && (prefetch || M > 1));
+    kernel(vec, K, form, acts, rows, out, r0 == 0 && (prefetch || M > 1) ? w4_prefetch_bytes() : 0);
     for (int64_t r = 0; r < rows; ++r) {
       float* yr = y + (r0 + r) * y_stride;
       const float* o = out + r * kW4Lanes;

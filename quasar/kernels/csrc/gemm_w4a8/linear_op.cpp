@@ -194,6 +194,17 @@ at::Tensor w4_pack_q6k(const at::Tensor& q, const at::Tensor& sub_scales, const 
   return out;
 }
 
+// How far ahead the W4A8 kernels' passes prefetch (quasar::w4_prefetch_bytes): bytes < 0 only
+// reads; else a multiple of 64 in [kW4PrefetchMin, kW4PrefetchMax] becomes the distance.
+// Returns the previous one. Speed only: the results are the same.
+int64_t w4_prefetch_distance(int64_t bytes) {
+  if (bytes < 0) return quasar::w4_prefetch_bytes();
+  TORCH_CHECK(bytes % 64 == 0 && bytes >= quasar::kW4PrefetchMin && bytes <= quasar::kW4PrefetchMax,
+              "w4_prefetch_distance: the distance must be a multiple of 64 bytes in [", quasar::kW4PrefetchMin, ", ",
+              quasar::kW4PrefetchMax, "], got ", bytes);
+  return quasar::w4_set_prefetch_bytes(bytes);
+}
+
 // x [..., K] floating point, packed by w4_pack for (N, K, group), w4_pack_q4k or w4_pack_q6k
 // (forms kW4Q4K, kW4Q6K; `group` is the form), bias [N] or None ->
 // float32 [..., N]. path "": the active kernel path (less any the self-check disabled);

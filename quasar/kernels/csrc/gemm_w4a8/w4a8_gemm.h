@@ -114,22 +114,22 @@ struct W4Acts {
 // added: out[r * 16 + i] = the epilogue's acc for row r, lane i (all 16 lanes; padding lanes
 // are 0). `vec` is the vector's packed bytes. Every kernel makes the same exact int32 sums
 // and the same float32 operations in the same order, so all give the same bits.
-// prefetch: the pass asks for its bytes ahead in software (else the hardware prefetcher alone
-// streams them; see prefetch_whole_stream in int8_gemm.h).
+// ahead: the pass asks for each of its lines that many bytes ahead in software (0: never, the
+// hardware prefetcher alone streams them; see prefetch_whole_stream in int8_gemm.h).
 using W4RowsFn = void (*)(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                          bool prefetch);
+                          int64_t ahead);
 
 constexpr int64_t kW4MaxRows = 16;  // the most rows any kernel takes per pass over a vector
 constexpr int64_t kAvx2Rows = 2;  // 6 R int accumulators + 2 R float ones + 7 others: spills past 2
 constexpr int64_t kAvxVnniRows = 4;  // 4 R accumulators + 6 others of 16 ymm
 void w4_rows_portable(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                      bool prefetch);
+                      int64_t ahead);
 void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                  bool prefetch);
+                  int64_t ahead);
 void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                      bool prefetch);
+                      int64_t ahead);
 void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                         bool prefetch);
+                         int64_t ahead);
 // Rows per pass of each path's kernel (the driver cuts M into passes of at most this many).
 int64_t w4_max_rows(KernelPath path);
 
@@ -163,9 +163,16 @@ W4RowsFn w4_active_kernel(KernelPath path, int64_t* max_rows);
 // `bias` and `y` point at the vector's first output. The op and the fused decoder step both
 // finish vectors here, so they give the same bits.
 // prefetch: whether a one-row step's pass prefetches; the first pass of a step of more rows
-// always does, later passes (the vector in cache) never.
+// always does, later passes (the vector in cache) never; w4_prefetch_bytes ahead.
 void w4_vector_rows(W4RowsFn kernel, int64_t max_rows, const uint8_t* vec, int64_t K, int64_t form,
                     const W4Acts& a, int64_t M, int64_t lanes, const float* bias, float* y, int64_t y_stride,
                     bool prefetch);
+
+// How far ahead the kernels' passes prefetch, in bytes (a multiple of 64): the best distance
+// depends on the CPU, so quasar.runtime.step_cost measures it per model and kernel path and
+// sets it (the w4_prefetch_distance op). Speed only: never a bit of the results.
+constexpr int64_t kW4PrefetchDefault = 32 << 10, kW4PrefetchMin = 1 << 10, kW4PrefetchMax = 1 << 20;
+int64_t w4_prefetch_bytes();
+int64_t w4_set_prefetch_bytes(int64_t bytes);  // returns the previous distance
 
 }  // namespace quasar

@@ -10,12 +10,12 @@
 //   acc = (acc + (float(S) * sx) * scale) + xs * offset
 // Rows come R at a time (template R): a weight load and its unpacking serve all R rows, and
 // only the first pass over a vector reads it from memory (the next ones find it in L1/L2).
-// A pass that streams prefetches kPrefetchBytes ahead (../gemm_w8a8/x86_avx2.cpp too, 4 KB ahead): these
+// A pass that streams prefetches its lines `ahead` bytes ahead (w4_prefetch_bytes): these
 // kernels spend several instructions per 64-byte line, a pass of many rows dozens, so the
 // out-of-order window alone keeps few lines in flight. Steps of several rows always ask
 // (w4_vector_rows): without it their extra rows cost a large share of a one-row step. Where
-// the hardware prefetcher streams faster alone (on some CPUs) the caller passes prefetch =
-// false to one-row passes past each stream's start (prefetch_whole_stream).
+// the hardware prefetcher streams faster alone (on some CPUs) the caller passes ahead = 0 to
+// one-row passes past each stream's start (prefetch_whole_stream).
 #include "gemm_w4a8/w4a8_gemm.h"
 #include "common/activation_quant.h"
 
@@ -25,7 +25,7 @@
 namespace quasar {
 namespace {
 
-using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table index
+using namespace w4x86;  // x86_common.h: prefetches, loads, kernel table index
 
 // A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
 // (float16 after its nibbles `p`, widened exactly by vcvtph2ps; SB, the Q4_K form: d * c and
@@ -34,9 +34,9 @@ using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table 
 template <int R, bool SB>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(
     const uint8_t* vec, const uint8_t* p, int64_t group, const W4Acts& a, int64_t g, const __m256i (&s)[R][2],
-    __m256 (&acc)[R][2], bool pf) {
+    __m256 (&acc)[R][2], int64_t ahead) {
   const uint8_t* so = p + 8 * group;
-  if (!SB && pf) prefetch(so + kPrefetchBytes);
+  if (!SB && ahead) prefetch(so + ahead);
   for (int half = 0; half < 2; ++half) {
     __m256 sc, of;
     if constexpr (SB) {
@@ -111,9 +111,11 @@ __attribute__((target("avx2,f16c"), always_inline)) inline void q6k_epilogue_256
 }
 
 // The prefetches of a Q6_K group's lines (its header's with the superblock's first group).
-__attribute__((always_inline)) inline void q6k_prefetch(const uint8_t* vec, const uint8_t* p, int64_t g) {
-  if (g % kW4SuperGroups == 0) prefetch_lines(w4_superblock(vec, g / kW4SuperGroups, kW4Q6K), kW4Q6KHeaderBytes);
-  prefetch_lines(p, kW4Q6KGroupBytes);
+__attribute__((always_inline)) inline void q6k_prefetch(const uint8_t* vec, const uint8_t* p, int64_t g,
+                                                       int64_t ahead) {
+  if (g % kW4SuperGroups == 0)
+    prefetch_lines(w4_superblock(vec, g / kW4SuperGroups, kW4Q6K), kW4Q6KHeaderBytes, ahead);
+  prefetch_lines(p, kW4Q6KGroupBytes, ahead);
 }
 
 // AVX2: vpmaddubsw of 6-bit columns (at most 63) and activations (|q| <= 128) is at most
@@ -121,13 +123,13 @@ __attribute__((always_inline)) inline void q6k_prefetch(const uint8_t* vec, cons
 // each step widens to int32 at once (vpmaddwd with ones) and nothing saturates.
 template <int R>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2_q6k(const uint8_t* vec, int64_t K, const W4Acts& a,
-                                                            float* out, bool pf) {
+                                                            float* out, int64_t ahead) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < K / 32; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
-    if (pf) q6k_prefetch(vec, p, g);
+    if (ahead) q6k_prefetch(vec, p, g, ahead);
     __m256i s[R][2][2];
     for (int r = 0; r < R; ++r) s[r][0][0] = s[r][0][1] = s[r][1][0] = s[r][1][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -161,7 +163,7 @@ constexpr int64_t kStepsPerFlush = 4;
 
 template <int R, int STEPS, bool SB = false>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int64_t K, const W4Acts& a, float* out,
-                                                        bool pf) {
+                                                        int64_t ahead) {
   constexpr int64_t group = 8 * STEPS, form = SB ? kW4Q4K : group, steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -169,7 +171,8 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && pf && g % kW4SuperGroups == 0) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes);
+    if (SB && ahead && g % kW4SuperGroups == 0)
+      prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -179,7 +182,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
 #pragma GCC unroll 4
       for (int64_t st = s0; st < s0 + kStepsPerFlush; ++st) {
         const uint8_t* c = p + 64 * st;
-        if (pf) prefetch(c + kPrefetchBytes);
+        if (ahead) prefetch(c + ahead);
         __m256i xa[R], xb[R];
         broadcast_x<R>(a, g * group + 8 * st, xa, xb);
         for (int h = 0; h < 2; ++h) {
@@ -193,7 +196,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(h16[r][h], ones));
     }
-    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, pf);
+    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, ahead);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
@@ -206,7 +209,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
 // exact (no +128 shift of the activations, so no compensation term).
 template <int R, int STEPS, bool SB = false>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_t* vec, int64_t K, const W4Acts& a,
-                                                                    float* out, bool pf) {
+                                                                    float* out, int64_t ahead) {
   constexpr int64_t group = 8 * STEPS, form = SB ? kW4Q4K : group, steps = STEPS;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -214,13 +217,14 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && pf && g % kW4SuperGroups == 0) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes);
+    if (SB && ahead && g % kW4SuperGroups == 0)
+      prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 16
     for (int64_t st = 0; st < steps; ++st) {
       const uint8_t* c = p + 64 * st;
-      if (pf) prefetch(c + kPrefetchBytes);
+      if (ahead) prefetch(c + ahead);
       __m256i xa[R], xb[R];
       broadcast_x<R>(a, g * group + 8 * st, xa, xb);
       for (int h = 0; h < 2; ++h) {
@@ -230,19 +234,19 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
           s[r][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][h], lo, xa[r]), hi, xb[r]);
       }
     }
-    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, pf);
+    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, ahead);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
 }
 template <int R>
 __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni_q6k(const uint8_t* vec, int64_t K,
-                                                                        const W4Acts& a, float* out, bool pf) {
+                                                                        const W4Acts& a, float* out, int64_t ahead) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < K / 32; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
-    if (pf) q6k_prefetch(vec, p, g);
+    if (ahead) q6k_prefetch(vec, p, g, ahead);
     __m256i s[R][2][2];
     for (int r = 0; r < R; ++r) s[r][0][0] = s[r][0][1] = s[r][1][0] = s[r][1][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -266,17 +270,17 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni_q6k(const ui
 }  // namespace
 
 void w4_rows_avx2(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                  bool prefetch) {
+                  int64_t ahead) {
   static constexpr StepsFn kFns[kFormCount][kAvx2Rows] = {{rows_avx2<1, 4>, rows_avx2<2, 4>},
                                                           {rows_avx2<1, 8>, rows_avx2<2, 8>},
                                                           {rows_avx2<1, 16>, rows_avx2<2, 16>},
                                                           {rows_avx2<1, 4, true>, rows_avx2<2, 4, true>},
                                                           {rows_avx2_q6k<1>, rows_avx2_q6k<2>}};
-  kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
+  kFns[form_index(form)][rows - 1](vec, K, a, out, ahead);
 }
 
 void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                      bool prefetch) {
+                      int64_t ahead) {
 #ifdef QUASAR_W4_AVX_VNNI
   static constexpr StepsFn kFns[kFormCount][kAvxVnniRows] = {
       {rows_avx_vnni<1, 4>, rows_avx_vnni<2, 4>, rows_avx_vnni<3, 4>, rows_avx_vnni<4, 4>},
@@ -284,9 +288,9 @@ void w4_rows_avx_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts&
       {rows_avx_vnni<1, 16>, rows_avx_vnni<2, 16>, rows_avx_vnni<3, 16>, rows_avx_vnni<4, 16>},
       {rows_avx_vnni<1, 4, true>, rows_avx_vnni<2, 4, true>, rows_avx_vnni<3, 4, true>, rows_avx_vnni<4, 4, true>},
       {rows_avx_vnni_q6k<1>, rows_avx_vnni_q6k<2>, rows_avx_vnni_q6k<3>, rows_avx_vnni_q6k<4>}};
-  kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
+  kFns[form_index(form)][rows - 1](vec, K, a, out, ahead);
 #else
-  (void)vec, (void)K, (void)form, (void)a, (void)rows, (void)out, (void)prefetch;
+  (void)vec, (void)K, (void)form, (void)a, (void)rows, (void)out, (void)ahead;
   __builtin_trap();  // cpu_runs(kAvxVnni) is false where this is not compiled in
 #endif
 }

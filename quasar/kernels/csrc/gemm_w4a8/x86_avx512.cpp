@@ -13,7 +13,7 @@
 namespace quasar {
 namespace {
 
-using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table index
+using namespace w4x86;  // x86_common.h: prefetches, loads, kernel table index
 
 // ------------------------------------------------------------------ AVX512-VNNI
 // One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled
@@ -28,7 +28,7 @@ using namespace w4x86;  // x86_common.h: prefetch distance, loads, kernel table 
 // SB: the Q4_K form (group 32, parameters in each superblock's header; w4a8_gemm.h).
 template <int R, int STEPS, bool SB = false>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const uint8_t* vec, int64_t K,
-                                                                         const W4Acts& a, float* out, bool pf) {
+                                                                         const W4Acts& a, float* out, int64_t ahead) {
   constexpr int64_t group = 8 * STEPS, form = SB ? kW4Q4K : group;
   constexpr bool kTwoChains = R <= 8;
   __m512 acc[R];
@@ -38,14 +38,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
   const int64_t groups = K / group;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && pf && g % kW4SuperGroups == 0) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes);
+    if (SB && ahead && g % kW4SuperGroups == 0)
+      prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
     __m512i sl[R], sh[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int st = 0; st < STEPS; ++st) {
       const uint8_t* c = p + 64 * st;
-      if (pf) prefetch(c + kPrefetchBytes);
+      if (ahead) prefetch(c + ahead);
       const __m512i w = _mm512_loadu_si512(c);
       const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
 #pragma GCC unroll 16
@@ -68,7 +69,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
       of = _mm512_mul_ps(m, _mm512_cvtepi32_ps(o));
     } else {
       const uint8_t* so = p + 8 * group;
-      if (pf) prefetch(so + kPrefetchBytes);
+      if (ahead) prefetch(so + ahead);
       sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
       of = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + 32)));
     }
@@ -89,7 +90,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
 // steps 0-1 sum into S_a, 2-3 into S_b, and the epilogue makes T in int32.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(const uint8_t* vec, int64_t K,
-                                                                             const W4Acts& a, float* out, bool pf) {
+                                                                             const W4Acts& a, float* out,
+                                                                             int64_t ahead) {
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -98,15 +100,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(cons
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
     const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
-    if (pf && g % kW4SuperGroups == 0) prefetch_lines(h, kW4Q6KHeaderBytes);
+    if (ahead && g % kW4SuperGroups == 0) prefetch_lines(h, kW4Q6KHeaderBytes, ahead);
     __m512i sa[R], sb[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sa[r] = sb[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int st = 0; st < 4; ++st) {
       const uint8_t* c = p + 64 * st;
-      if (pf) prefetch(c + kPrefetchBytes);
-      if (pf && st % 2 == 0) prefetch(p + 256 + 32 * st + kPrefetchBytes);
+      if (ahead) prefetch(c + ahead);
+      if (ahead && st % 2 == 0) prefetch(p + 256 + 32 * st + ahead);
       const __m512i w = _mm512_loadu_si512(c);
       __m512i hb = _mm512_loadu_si512(p + 256 + 64 * (st / 2));
       if (st % 2) hb = _mm512_srli_epi16(hb, 4);
@@ -151,12 +153,12 @@ constexpr std::array<StepsFn, sizeof...(R)> avx512_q6k_rows(std::integer_sequenc
 }
 
 void w4_rows_avx512_vnni(const uint8_t* vec, int64_t K, int64_t form, const W4Acts& a, int64_t rows, float* out,
-                         bool prefetch) {
+                         int64_t ahead) {
   using Rows = std::make_integer_sequence<int, kW4MaxRows>;
   static constexpr std::array<StepsFn, kW4MaxRows> kFns[kFormCount] = {
       avx512_rows<4, false>(Rows{}), avx512_rows<8, false>(Rows{}), avx512_rows<16, false>(Rows{}),
       avx512_rows<4, true>(Rows{}), avx512_q6k_rows(Rows{})};
-  kFns[form_index(form)][rows - 1](vec, K, a, out, prefetch);
+  kFns[form_index(form)][rows - 1](vec, K, a, out, ahead);
 }
 
 }  // namespace quasar

@@ -1,5 +1,5 @@
-// What the x86 W4A8 kernels share (x86_avx2.cpp, x86_avx512.cpp): the prefetch distance,
-// unaligned loads, and the table index of a form.
+// What the x86 W4A8 kernels share (x86_avx2.cpp, x86_avx512.cpp): prefetches, unaligned
+// loads, and the table index of a form.
 #pragma once
 
 #include "gemm_w4a8/w4a8_gemm.h"
@@ -11,11 +11,6 @@
 namespace quasar {
 namespace w4x86 {
 
-// Far enough ahead to cover the several instructions these kernels spend per cache line
-// (shorter was slower, longer no faster). Lines a pass asks for past its part of a weight
-// (this distance a thread and linear) are wasted reads, a small share of a step's.
-constexpr int64_t kPrefetchBytes = 32 << 10;
-
 inline int32_t load_u32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -24,16 +19,16 @@ inline int32_t load_u32(const int8_t* p) {
 
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
-// The lines of `bytes` bytes at p, each asked for kPrefetchBytes ahead (a superblock's header
+// The lines of `bytes` bytes at p, each asked for `ahead` bytes ahead (a superblock's header
 // with its first group; a Q6_K group's lines).
-inline void prefetch_lines(const uint8_t* p, int64_t bytes) {
-  for (int64_t l = 0; l < bytes; l += 64) prefetch(p + l + kPrefetchBytes);
+inline void prefetch_lines(const uint8_t* p, int64_t bytes, int64_t ahead) {
+  for (int64_t l = 0; l < bytes; l += 64) prefetch(p + l + ahead);
 }
 
 // A kernel for one form (STEPS = group / 8 a template argument) and row count, in tables
 // indexed by form_index: groups of 32, 64, 128 with float16 parameters, then the Q4_K form,
 // then the Q6_K form.
-using StepsFn = void (*)(const uint8_t*, int64_t, const W4Acts&, float*, bool);
+using StepsFn = void (*)(const uint8_t*, int64_t, const W4Acts&, float*, int64_t);
 constexpr int kFormCount = 5;
 inline int form_index(int64_t form) {
   return form == 32 ? 0 : form == 64 ? 1 : form == 128 ? 2 : form == kW4Q4K ? 3 : 4;
