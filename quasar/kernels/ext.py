@@ -375,8 +375,9 @@ def pack_w4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group:
 def pack_w4_q4k(q: torch.Tensor, scale_codes: torch.Tensor, offset_codes: torch.Tensor, super_scales: torch.Tensor,
                 super_offsets: torch.Tensor) -> torch.Tensor | None:
     """4-bit weights with a Q4_K file's own parameters (q [N, K] in [0, 15], K a multiple of
-    256; uint8 codes c and o [N, K / 32]; float16 d and m [N, K / 256]; scale = d * c, offset =
-    m * o) in the op's Q4_K form (w4a8_numerics.Q4K_FORM), or None without the library."""
+    256; 6-bit codes c and o, uint8 [N, K / 32] in [0, 63]; float16 d and m [N, K / 256]; scale =
+    d * c, offset = m * o) in the op's Q4_K form (w4a8_numerics.Q4K_FORM), or None without the
+    library."""
     if int8_linear_op() is None:
         return None
     return torch.ops.quasar_quant.w4_pack_q4k(q, scale_codes, offset_codes, super_scales, super_offsets)
@@ -668,8 +669,8 @@ def _w4_q4k_mismatch(path: str) -> str:
     gen = torch.Generator().manual_seed(35)
     n, k = 19, 512
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    codes = [torch.randint(0, 256, (n, k // 32), generator=gen, dtype=torch.uint8) for _ in range(2)]
-    codes[0][0] = 255
+    codes = [torch.randint(0, 64, (n, k // 32), generator=gen, dtype=torch.uint8) for _ in range(2)]
+    codes[0][0] = codes[1][1] = 63
     supers = [(torch.randn(n, k // 256, generator=gen) / 100).half() for _ in range(2)]
     packed = torch.ops.quasar_quant.w4_pack_q4k(q, *codes, *supers)
     scales, offsets = q4k_group_params(*codes, *supers)

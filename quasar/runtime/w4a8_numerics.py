@@ -35,7 +35,7 @@ high one; a row of odd K ends in a half-used byte. Scales and offsets are float1
 (``SCALE_DTYPE``, ``as_group_params``): a group of 32 then costs 4 + 1 bits a weight, not
 4 + 2, and the step streams that much less. GGUF's Q4_0 and Q4_1 store theirs as float16
 already; Q4_K's (a float16 times a 6-bit integer) keep their own two levels in the Q4_K form
-(``Q4K_FORM``: float32 products, exact, at 4.625 bits a weight); a float model's are rounded
+(``Q4K_FORM``: float32 products, exact, at 4.5 bits a weight); a float model's are rounded
 once, and the quantizers below round the weights against the float16 scale, not the wider one.
 """
 
@@ -49,8 +49,8 @@ from quasar.runtime.w8a8_numerics import quantize_activation
 
 GROUP_SIZES = (32, 64, 128)  # the candidates issue #34 names; chosen by measuring
 # The Q4_K form: groups of 32 whose scales and offsets are a Q4_K file's own, d * c and m * o
-# (float16 d, m per superblock of Q4K_SUPER groups, 8-bit codes c, o per group; exact products
-# in float32), streamed as they are stored (4.625 bits a weight). The kernels' form code.
+# (float16 d, m per superblock of Q4K_SUPER groups, 6-bit codes c, o per group; exact products
+# in float32), streamed as they are stored (4.5 bits a weight). The kernels' form code.
 Q4K_FORM = 32 | 256
 Q4K_SUPER = 8
 # The Q6_K form: a Q6_K file's 6-bit weights as stored, w = d * s * (q - 32), q in [0, 63], an
@@ -78,7 +78,7 @@ def as_group_params(t: Tensor, what: str = "scales") -> Tensor:
 def q4k_group_params(scale_codes: Tensor, offset_codes: Tensor, super_scales: Tensor,
                      super_offsets: Tensor) -> tuple[Tensor, Tensor]:
     """The Q4_K form's float32 scales and offsets [N, G]: d * c and m * o, each product exact
-    (a float16's 11 significant bits times an 8-bit code), as every kernel computes them."""
+    (a float16's 11 significant bits times a 6-bit code), as every kernel computes them."""
     def product(codes: Tensor, supers: Tensor) -> Tensor:
         return supers.float().repeat_interleave(Q4K_SUPER, dim=1) * codes.float()
     return product(scale_codes, super_scales), product(offset_codes, super_offsets)
@@ -320,7 +320,7 @@ def unpack_int4(packed: Tensor, in_features: int) -> Tensor:
 
 def w4_weight_bytes(out_features: int, in_features: int, group: int, scale_bytes: int = 2, q4k: bool = False) -> int:
     """Bytes a step reads for one W4A8 weight: the nibbles, each group's scale and offset (in
-    the Q4_K form one byte each, and two float16 a superblock)."""
+    the Q4_K form 6 bits each, and two float16 a superblock)."""
     groups = n_groups(in_features, group)
-    params = 2 * groups + 2 * 2 * (groups // Q4K_SUPER) if q4k else groups * 2 * scale_bytes
+    params = 3 * groups // 2 + 2 * 2 * (groups // Q4K_SUPER) if q4k else groups * 2 * scale_bytes
     return out_features * (-(-in_features // 2) + params)

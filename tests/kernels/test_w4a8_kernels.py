@@ -168,9 +168,9 @@ def test_activation_rounding_and_non_finite_values(w4_path) -> None:
 
 
 def _q4k_weights(gen: torch.Generator, n: int, k: int):
-    """q, the codes c and o (all 8 bits, beyond Q4_K's 6), float16 d and m (m of either sign)."""
+    """q, the 6-bit codes c and o (every bit of them used), float16 d and m (m of either sign)."""
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    codes = [torch.randint(0, 256, (n, k // 32), generator=gen, dtype=torch.uint8) for _ in range(2)]
+    codes = [torch.randint(0, 64, (n, k // 32), generator=gen, dtype=torch.uint8) for _ in range(2)]
     supers = [(torch.randn(n, k // 256, generator=gen) / 300).half() for _ in range(2)]
     return q, *codes, *supers
 
@@ -179,16 +179,16 @@ def _q4k_weights(gen: torch.Generator, n: int, k: int):
 def test_q4k_form_bitwise_equal_to_reference(w4_path, k: int) -> None:
     """The Q4_K form (a Q4_K file's own d * c and m * o) gives the reference's bits for those
     exact float32 parameters, for every row count and with a padded last vector; its packing
-    streams 4.625 bits a weight."""
+    streams 4.5 bits a weight, as the file."""
     from quasar.kernels import ext
     from quasar.runtime.w4a8_numerics import Q4K_FORM, q4k_group_params
 
     gen = torch.Generator().manual_seed(k)
     n = 37
     q, c, o, d, m = _q4k_weights(gen, n, k)
-    c[0, 0], o[1, :] = 255, 0  # the largest code; a row of zero offsets
+    c[0, 0], o[2, 3], o[1, :] = 63, 63, 0  # the largest codes; a row of zero offsets
     packed = ext.pack_w4_q4k(q, c, o, d, m)
-    assert packed.numel() == 3 * 16 * k * 4.625 / 8  # 3 vectors of 16 lanes
+    assert packed.numel() == 3 * 16 * k * 4.5 / 8  # 3 vectors of 16 lanes
     scales, offsets = q4k_group_params(c, o, d, m)
     assert torch.equal(scales, d.float().repeat_interleave(8, 1) * c.float())
     bias = torch.randn(n, generator=gen)
@@ -252,8 +252,10 @@ def test_q4k_form_errors_name_the_problem(w4_op) -> None:
         ext.pack_w4_q4k(q, c.half(), o, d, m)
     with pytest.raises(RuntimeError, match=r"superblock offsets must be \[N, K / 256\] = \[16, 1\]"):
         ext.pack_w4_q4k(q, c, o, d, m[:8])
-    with pytest.raises(RuntimeError, match="found one outside"):
+    with pytest.raises(RuntimeError, match="q must hold 4-bit values 0..15 .found one outside"):
         ext.pack_w4_q4k(q + 16, c, o, d, m)
+    with pytest.raises(RuntimeError, match="codes must be 6-bit values 0..63 .found one outside"):
+        ext.pack_w4_q4k(q, c, o + 64, d, m)
     with pytest.raises(RuntimeError, match="the Q4_K and Q6_K forms are packed by"):
         ext.pack_w4(q, c.half(), o.half(), Q4K_FORM)
     with pytest.raises(RuntimeError, match=FORM_ERROR + r"got 33"):

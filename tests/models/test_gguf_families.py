@@ -145,7 +145,7 @@ Q4K_SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=16
 def test_a_q4_k_m_file_streams_its_own_blocks(tmp_path, monkeypatch, family):
     """A Q4_K file with some tensors in Q6_K, as Q4_K_M keeps them, at widths of whole
     superblocks: each Q4_K matrix becomes a W4A8 layer in the Q4_K form (the file's codes and
-    float16 factors, 4.625 bits a weight), each Q6_K one (layer 0's value and down
+    float16 factors, 4.5 bits a weight), each Q6_K one (layer 0's value and down
     projections, experts included) a Q6KLinear of its 6-bit blocks, and the head's logits come
     from its Q6_K blocks; their weights are the file's bit for bit (Mixtral's permuted Q/K
     included), but Phi-3's q and k, whose LongRoPE factor rounds into their factors. The

@@ -152,7 +152,7 @@ def test_weight_bytes() -> None:
     # 1.5B's MLP down projection at group 64: 4 bits + 32 / 64 bits of float16 scale and offset a weight
     assert w4_weight_bytes(1536, 8960, 64) == 1536 * (4480 + 140 * 4)
     assert w4_weight_bytes(1, 3, 2, scale_bytes=4) == 2 + 2 * 2 * 4
-    assert w4_weight_bytes(1536, 8960 // 256 * 256, 32, q4k=True) * 8 == 1536 * 8960 // 256 * 256 * 4.625
+    assert w4_weight_bytes(1536, 8960 // 256 * 256, 32, q4k=True) * 8 == 1536 * 8960 // 256 * 256 * 4.5
 
 
 def test_group_params_are_float16_and_overflow_is_an_error() -> None:

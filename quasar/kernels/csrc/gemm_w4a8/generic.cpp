@@ -34,12 +34,14 @@ void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, 
     return;
   }
   const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
-  const uint8_t* codes = w4_group_codes(vec, g, form);
+  uint8_t codes[kW4Q4KCodeBytes];
+  w4_q4k_unpack_codes(h, codes);
+  const uint8_t *c = codes + w4_q4k_code_offset(g), *o = c + 64;
   std::memcpy(sc, h, sizeof sc);
   std::memcpy(of, h + sizeof sc, sizeof of);
-  for (int64_t i = 0; i < kW4Lanes; ++i) {  // exact: 11 significant bits times at most 8
-    scale[i] = c10::detail::fp16_ieee_to_fp32_value(sc[i]) * static_cast<float>(codes[i]);
-    offset[i] = c10::detail::fp16_ieee_to_fp32_value(of[i]) * static_cast<float>(codes[kW4Lanes + i]);
+  for (int64_t i = 0; i < kW4Lanes; ++i) {  // exact: 11 significant bits times at most 6
+    scale[i] = c10::detail::fp16_ieee_to_fp32_value(sc[i]) * static_cast<float>(c[i]);
+    offset[i] = c10::detail::fp16_ieee_to_fp32_value(of[i]) * static_cast<float>(o[i]);
   }
 }
 
@@ -55,7 +57,7 @@ void q6k_rows_portable(const uint8_t* vec, int64_t K, const W4Acts& a, int64_t r
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = w4_group_nibbles(vec, g, kW4Q6K);
       const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
-      const int8_t* sub = reinterpret_cast<const int8_t*>(w4_group_codes(vec, g, kW4Q6K));
+      const int8_t* sub = reinterpret_cast<const int8_t*>(w4_q6k_scales(vec, g));
       int32_t s[2][kW4Lanes] = {};
       for (int64_t st = 0; st < 4; ++st) {
         const uint8_t* c = p + 64 * st;

@@ -115,9 +115,9 @@ at::Tensor w4_pack(const at::Tensor& q, const at::Tensor& scales, const at::Tens
   return out;
 }
 
-// q [N, K] (values 0..15, K a multiple of 256), the codes c and o uint8 [N, K / 32], the
-// superblock factors d and m float16 [N, K / 256] -> the packed uint8 of the Q4_K form
-// (w4a8_gemm.h): scale = d * c, offset = m * o.
+// q [N, K] (values 0..15, K a multiple of 256), the 6-bit codes c and o uint8 [N, K / 32]
+// (0..63, as a Q4_K file stores them), the superblock factors d and m float16 [N, K / 256] ->
+// the packed uint8 of the Q4_K form (w4a8_gemm.h): scale = d * c, offset = m * o.
 at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const at::Tensor& offset_codes,
                        const at::Tensor& super_scales, const at::Tensor& super_offsets) {
   const at::Tensor qc = check_q(q);
@@ -128,6 +128,8 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
                    o = group_params(offset_codes, N, G, "offset codes", at::kByte, "[N, K / 32]"),
                    d = group_params(super_scales, N, S, "superblock scales", at::kHalf, "[N, K / 256]"),
                    m = group_params(super_offsets, N, S, "superblock offsets", at::kHalf, "[N, K / 256]");
+  TORCH_CHECK(!c.gt(63).any().item<bool>() && !o.gt(63).any().item<bool>(),
+              "w4_pack_q4k: the scale and offset codes must be 6-bit values 0..63 (found one outside)");
   at::Tensor out = at::zeros({quasar::w4_packed_bytes(N, K, form)}, q.options().dtype(at::kByte));
   const uint8_t *qs = static_cast<const uint8_t*>(qc.data_ptr()), *cs = c.data_ptr<uint8_t>(),
                 *os = o.data_ptr<uint8_t>();
@@ -142,9 +144,10 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
         std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
         std::memcpy(h + 2 * L + 2 * i, ms + n * S + g / quasar::kW4SuperGroups, 2);
       }
-      uint8_t* codes = const_cast<uint8_t*>(quasar::w4_group_codes(dst + v * vb, g, form));
-      codes[i] = cs[n * G + g];
-      codes[L + i] = os[n * G + g];
+      const uint8_t cg = cs[n * G + g], og = os[n * G + g];  // the header's layout: w4a8_gemm.h
+      const int64_t at = g % quasar::kW4SuperGroups / 2 * L + i;
+      h[4 * L + g % 2 * 64 + at] = static_cast<uint8_t>((cg & 15) | (og & 15) << 4);
+      h[4 * L + 128 + at] |= static_cast<uint8_t>(((cg >> 4) | (og >> 4) << 2) << (4 * (g % 2)));
       uint8_t* blk = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
       wide |= pack_lane_nibbles(qs, K, n, g, group, i, blk);
     }
@@ -175,7 +178,7 @@ at::Tensor w4_pack_q6k(const at::Tensor& q, const at::Tensor& sub_scales, const 
     for (int64_t g = 0; g < G; ++g) {
       uint8_t* h = const_cast<uint8_t*>(quasar::w4_superblock(dst + v * vb, g / quasar::kW4SuperGroups, form));
       if (g % quasar::kW4SuperGroups == 0) std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
-      uint8_t* sub = const_cast<uint8_t*>(quasar::w4_group_codes(dst + v * vb, g, form));
+      uint8_t* sub = const_cast<uint8_t*>(quasar::w4_q6k_scales(dst + v * vb, g));
       sub[i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g]);
       sub[L + i] = static_cast<uint8_t>(ss[n * 2 * G + 2 * g + 1]);
       uint8_t* p = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));

@@ -22,11 +22,17 @@
 //
 // A weight's form: its group size (32, 64 or 128: the float16 parameters above), or kW4Q4K:
 // groups of 32 whose parameters are a GGUF Q4_K superblock's, exactly: per 256 columns and
-// lane a float16 d and m, per group and lane 8-bit codes c and o, scale = d * c and offset =
+// lane a float16 d and m, per group and lane 6-bit codes c and o, scale = d * c and offset =
 // m * o (products exact in float32; m is Q4_K's -dmin). Its vector is superblocks of
-// kW4SuperBytes: a 320-byte header (16 d, 16 m, then for each of its 8 groups 16 c and 16 o)
-// and the 8 groups' nibbles as above (256 bytes each, no parameters after them): 4.625 bits a
-// weight, not 5, and the file's own scales rather than float16 roundings of them.
+// kW4SuperBytes: a 256-byte header and the 8 groups' nibbles as above (256 bytes each, no
+// parameters after them): 4.5 bits a weight, as the file, with its own scales. The header:
+//   bytes 0..31 the 16 lanes' d, 32..63 their m (float16);
+//   64..191 the codes' low 4 bits: for groups 0, 2, 4, 6 then 1, 3, 5, 7, 16 bytes each,
+//     byte i = (c & 15) | (o & 15) << 4 of lane i;
+//   192..255 their high 2 bits: for each pair of groups 2p, 2p + 1, 16 bytes, byte i =
+//     c_2p >> 4 | (o_2p >> 4) << 2 | (c_2p+1 >> 4) << 4 | (o_2p+1 >> 4) << 6 of lane i.
+// So three 64-byte loads and a few masks and shifts give a superblock's codes as bytes
+// (w4_q4k_unpack_codes).
 //
 // kW4Q6K, a GGUF Q6_K tensor as the file stores it: q in [0, 63], w = d * s * (q - 32) with a
 // float16 d per 256 columns and lane and an int8 s per 16 columns. A vector is superblocks of
@@ -55,8 +61,8 @@ constexpr int64_t w4_group_bytes(int64_t group) { return 8 * group + 2 * 2 * kW4
 constexpr int64_t kW4Q4KFlag = 1 << 8, kW4Q6KFlag = 1 << 9;
 constexpr int64_t kW4Q4K = 32 | kW4Q4KFlag, kW4Q6K = 32 | kW4Q6KFlag;
 constexpr int64_t kW4SuperGroups = 8;
-constexpr int64_t kW4SuperHeaderBytes = 2 * 2 * kW4Lanes + kW4SuperGroups * 2 * kW4Lanes;  // 320
-constexpr int64_t kW4SuperBytes = kW4SuperHeaderBytes + kW4SuperGroups * 8 * 32;          // 2368
+constexpr int64_t kW4SuperHeaderBytes = 2 * 2 * kW4Lanes + kW4SuperGroups * 3 * kW4Lanes / 2;  // 256
+constexpr int64_t kW4SuperBytes = kW4SuperHeaderBytes + kW4SuperGroups * 8 * 32;              // 2304
 constexpr int64_t kW4Q6KHeaderBytes = 2 * kW4Lanes + kW4SuperGroups * 2 * kW4Lanes;        // 288
 constexpr int64_t kW4Q6KGroupBytes = 8 * 32 + 4 * 32;                                      // 384
 constexpr int64_t kW4Q6KBytes = kW4Q6KHeaderBytes + kW4SuperGroups * kW4Q6KGroupBytes;      // 3360
@@ -75,11 +81,26 @@ constexpr int64_t w4_k_multiple(int64_t form) {
 inline const uint8_t* w4_superblock(const uint8_t* vec, int64_t s, int64_t form) {
   return vec + s * (w4_is_q6k(form) ? kW4Q6KBytes : kW4SuperBytes);
 }
-// Group g's 32 parameter bytes in its superblock's header: the Q4_K form's 16 c then 16 o (after
-// d and m), the Q6_K form's 16 s of columns 0..15 then 16 of 16..31 (after d).
-inline const uint8_t* w4_group_codes(const uint8_t* vec, int64_t g, int64_t form) {
-  return w4_superblock(vec, g / kW4SuperGroups, form) + (w4_is_q6k(form) ? 2 : 4) * kW4Lanes +
-         g % kW4SuperGroups * 2 * kW4Lanes;
+// The Q6_K form's group g: its 32 sub-block scales in its superblock's header, the 16 lanes' s
+// of columns 0..15 then of 16..31 (after d).
+inline const uint8_t* w4_q6k_scales(const uint8_t* vec, int64_t g) {
+  return w4_superblock(vec, g / kW4SuperGroups, kW4Q6K) + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
+}
+
+// The Q4_K form's codes of a superblock unpacked to bytes (kW4Q4KCodeBytes): c of groups 0, 2,
+// 4, 6 (16 lanes each), their o, then c of groups 1, 3, 5, 7, their o. Group g's 16 c start at
+// w4_q4k_code_offset(g), its 16 o 64 bytes after. `h`: the superblock's header.
+constexpr int64_t kW4Q4KCodeBytes = 4 * 64;
+inline int64_t w4_q4k_code_offset(int64_t g) { return g % 2 * 128 + g % kW4SuperGroups / 2 * 16; }
+inline void w4_q4k_unpack_codes(const uint8_t* h, uint8_t* out) {
+  const uint8_t *low = h + 4 * kW4Lanes, *high = low + 2 * 64;
+  for (int64_t j = 0; j < 64; ++j) {
+    const uint8_t even = low[j], odd = low[64 + j], hb = high[j];
+    out[j] = static_cast<uint8_t>((even & 15) | (hb & 3) << 4);
+    out[64 + j] = static_cast<uint8_t>((even >> 4) | (hb >> 2 & 3) << 4);
+    out[128 + j] = static_cast<uint8_t>((odd & 15) | (hb >> 4 & 3) << 4);
+    out[192 + j] = static_cast<uint8_t>((odd >> 4) | (hb >> 6) << 4);
+  }
 }
 // Group g's nibbles in a vector (in the Q6_K form its high bits follow them).
 inline const uint8_t* w4_group_nibbles(const uint8_t* vec, int64_t g, int64_t form) {

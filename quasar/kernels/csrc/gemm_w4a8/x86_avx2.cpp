@@ -27,26 +27,47 @@ namespace {
 
 using namespace w4x86;  // x86_common.h: prefetches, loads, kernel table index
 
+// A Q4_K superblock's codes unpacked (w4_q4k_unpack_codes's bytes) from its header `h`, 32
+// bytes of each quarter at a time (as the 512-bit kernel's q4k_codes_avx512): the low nibbles
+// of the even and the odd groups' bytes, with the high bits moved to bits 4-5.
+__attribute__((target("avx2"), always_inline)) inline __m256i q4k_code_bytes(__m256i nibble, __m256i high) {
+  return _mm256_or_si256(_mm256_and_si256(nibble, _mm256_set1_epi8(0x0F)),
+                         _mm256_and_si256(high, _mm256_set1_epi8(0x30)));
+}
+__attribute__((target("avx2"), always_inline)) inline void q4k_codes_avx2(const uint8_t* h, uint8_t* out) {
+  for (int64_t j = 0; j < 64; j += 32) {
+    const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 + j)),
+                  odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 128 + j)),
+                  hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 192 + j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), q4k_code_bytes(even, _mm256_slli_epi16(hb, 4)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 + j),
+                        q4k_code_bytes(_mm256_srli_epi16(even, 4), _mm256_slli_epi16(hb, 2)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 + j), q4k_code_bytes(odd, hb));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 192 + j),
+                        q4k_code_bytes(_mm256_srli_epi16(odd, 4), _mm256_srli_epi16(hb, 2)));
+  }
+}
+
 // A group's epilogue on 256-bit vectors (both 256-bit kernels): its 16 scales and 16 offsets
 // (float16 after its nibbles `p`, widened exactly by vcvtph2ps; SB, the Q4_K form: d * c and
-// m * o from its superblock's header, exact products), the exact sums s of R rows, into their
+// m * o, d and m from its superblock's header, `codes` its 16 c and, 64 bytes on, 16 o as
+// q4k_codes_avx2 unpacked them; exact products), the exact sums s of R rows, into their
 // accumulators.
 template <int R, bool SB>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_epilogue_256(
-    const uint8_t* vec, const uint8_t* p, int64_t group, const W4Acts& a, int64_t g, const __m256i (&s)[R][2],
-    __m256 (&acc)[R][2], int64_t ahead) {
+    const uint8_t* vec, const uint8_t* p, const uint8_t* codes, int64_t group, const W4Acts& a, int64_t g,
+    const __m256i (&s)[R][2], __m256 (&acc)[R][2], int64_t ahead) {
   const uint8_t* so = p + 8 * group;
   if (!SB && ahead) prefetch(so + ahead);
   for (int half = 0; half < 2; ++half) {
     __m256 sc, of;
     if constexpr (SB) {
       const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q4K);
-      const uint8_t* codes = w4_group_codes(vec, g, kW4Q4K);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * half)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 32 + 16 * half)));
       const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * half)));
       const __m256i o =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + kW4Lanes + 8 * half)));
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 64 + 8 * half)));
       sc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(c));
       of = _mm256_mul_ps(m, _mm256_cvtepi32_ps(o));
     } else {
@@ -93,7 +114,7 @@ template <int R>
 __attribute__((target("avx2,f16c"), always_inline)) inline void q6k_epilogue_256(
     const uint8_t* vec, const W4Acts& a, int64_t g, const __m256i (&s)[R][2][2], __m256 (&acc)[R][2]) {
   const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, kW4Q6K);
-  const int8_t* sub = reinterpret_cast<const int8_t*>(w4_group_codes(vec, g, kW4Q6K));
+  const int8_t* sub = reinterpret_cast<const int8_t*>(w4_q6k_scales(vec, g));
   for (int half = 0; half < 2; ++half) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16 * half)));
     const __m256i ua = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * half)));
@@ -169,10 +190,13 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t groups = K / group;
+  alignas(32) uint8_t codes[SB ? kW4Q4KCodeBytes : 1];  // the superblock's, unpacked
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && ahead && g % kW4SuperGroups == 0)
-      prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
+    if (SB && g % kW4SuperGroups == 0) {
+      if (ahead) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
+      q4k_codes_avx2(p - kW4SuperHeaderBytes, codes);
+    }
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -196,7 +220,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const uint8_t* vec, int6
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < 2; ++h) s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(h16[r][h], ones));
     }
-    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, ahead);
+    group_epilogue_256<R, SB>(vec, p, SB ? codes + w4_q4k_code_offset(g) : nullptr, group, a, g, s, acc, ahead);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);
@@ -215,10 +239,13 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t groups = K / group;
+  alignas(32) uint8_t codes[SB ? kW4Q4KCodeBytes : 1];  // the superblock's, unpacked
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && ahead && g % kW4SuperGroups == 0)
-      prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
+    if (SB && g % kW4SuperGroups == 0) {
+      if (ahead) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
+      q4k_codes_avx2(p - kW4SuperHeaderBytes, codes);
+    }
     __m256i s[R][2];
     for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 16
@@ -234,7 +261,7 @@ __attribute__((target("avx2,fma,f16c,avxvnni"))) void rows_avx_vnni(const uint8_
           s[r][h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][h], lo, xa[r]), hi, xb[r]);
       }
     }
-    group_epilogue_256<R, SB>(vec, p, group, a, g, s, acc, ahead);
+    group_epilogue_256<R, SB>(vec, p, SB ? codes + w4_q4k_code_offset(g) : nullptr, group, a, g, s, acc, ahead);
   }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kW4Lanes + 8 * h, acc[r][h]);

@@ -16,6 +16,23 @@ namespace {
 using namespace w4x86;  // x86_common.h: prefetches, loads, kernel table index
 
 // ------------------------------------------------------------------ AVX512-VNNI
+// A Q4_K superblock's codes unpacked (w4_q4k_unpack_codes's bytes) from its header `h`: the
+// low nibbles of the even and the odd groups' bytes, with the high bits moved to bits 4-5.
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i q4k_code_bytes(__m512i nibble,
+                                                                                       __m512i high) {
+  return _mm512_or_si512(_mm512_and_si512(nibble, _mm512_set1_epi8(0x0F)),
+                         _mm512_and_si512(high, _mm512_set1_epi8(0x30)));
+}
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void q4k_codes_avx512(const uint8_t* h,
+                                                                                      uint8_t* out) {
+  const __m512i even = _mm512_loadu_si512(h + 64), odd = _mm512_loadu_si512(h + 128),
+                hb = _mm512_loadu_si512(h + 192);
+  _mm512_storeu_si512(out, q4k_code_bytes(even, _mm512_slli_epi16(hb, 4)));
+  _mm512_storeu_si512(out + 64, q4k_code_bytes(_mm512_srli_epi16(even, 4), _mm512_slli_epi16(hb, 2)));
+  _mm512_storeu_si512(out + 128, q4k_code_bytes(odd, hb));
+  _mm512_storeu_si512(out + 192, q4k_code_bytes(_mm512_srli_epi16(odd, 4), _mm512_srli_epi16(hb, 2)));
+}
+
 // One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled
 // (STEPS = group / 8 is a template argument), which lets GCC keep every accumulator in a
 // register; with a run-time step count it copied them around the loop and spilled. Up to 8
@@ -36,10 +53,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t groups = K / group;
+  alignas(64) uint8_t codes[SB ? kW4Q4KCodeBytes : 1];  // the superblock's, unpacked
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
-    if (SB && ahead && g % kW4SuperGroups == 0)
-      prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
+    if (SB && g % kW4SuperGroups == 0) {
+      if (ahead) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
+      q4k_codes_avx512(p - kW4SuperHeaderBytes, codes);
+    }
     __m512i sl[R], sh[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
@@ -60,11 +80,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
     __m512 sc, of;
     if constexpr (SB) {  // d * c and m * o, exact in float32
       const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
-      const uint8_t* codes = w4_group_codes(vec, g, form);
+      const uint8_t* cg = codes + w4_q4k_code_offset(g);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
-      const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-      const __m512i o = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kW4Lanes)));
+      const __m512i c = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(cg)));
+      const __m512i o = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(cg + 64)));
       sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(c));
       of = _mm512_mul_ps(m, _mm512_cvtepi32_ps(o));
     } else {
@@ -123,7 +143,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(cons
         s = _mm512_dpbusd_epi32(s, hi, _mm512_set1_epi32(load_u32(x + 4)));
       }
     }
-    const int8_t* sub = reinterpret_cast<const int8_t*>(w4_group_codes(vec, g, kW4Q6K));
+    const int8_t* sub = reinterpret_cast<const int8_t*>(w4_q6k_scales(vec, g));
     const __m512i ua = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub)));
     const __m512i ub = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kW4Lanes)));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
