@@ -96,11 +96,8 @@ class FusedW8A8Step:
         if cache.k.dtype != torch.float32 and not (cache.k.dtype == torch.bfloat16 and self._bf16):
             return None
         cfg, p = self.model.config, self._plan
-        costs = self.model.step_costs
-        if costs is not None and costs.prefetch_whole is not None:  # this model's measured ways
-            ext.prefetch_whole_stream(costs.prefetch_whole)
-        if costs is not None and costs.prefetch_bytes is not None:
-            ext.w4_prefetch_distance(costs.prefetch_bytes)
+        if self.model.step_costs is not None:  # this model's measured prefetch choices
+            self.model.step_costs.install_prefetch()
         block = p.block
         if block and cos.dim() == 3:  # stacked: the global layers' table, then the sliding layers'
             block = dict(block, cos_local=cos[1], sin_local=sin[1])

@@ -60,9 +60,9 @@ from quasar.paths import cache_dir
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
 
-__all__ = ["PREFETCH_CHOICE_PATHS", "PREFETCH_DISTANCES", "PROBE_ROWS", "StepCosts", "current", "expected_experts", "expert_row_cost",
-           "install_measured", "key_cost", "measure", "prior_pass_rows", "step_bytes", "touched_bytes",
-           "prior_row_cost"]
+__all__ = ["PREFETCH_CHOICE_PATHS", "PREFETCH_DISTANCES", "PROBE_ROWS", "StepCosts", "current", "expected_experts",
+           "expert_row_cost", "install_measured", "key_cost", "measure", "prior_pass_rows", "step_bytes",
+           "touched_bytes", "prior_row_cost"]
 
 PROBE_ROWS = (1, 2, 4, 8, 16)
 # A row costing at most this share of a one-row step is cheap enough to fill a pass with.
@@ -242,6 +242,14 @@ class StepCosts:
             ratios.append(max(ratios[-1], at_k))
         return tuple(max(MIN_ROW_PRICE, b - a) for a, b in zip(ratios, ratios[1:]))
 
+    def install_prefetch(self) -> None:
+        """Set the prefetch choices measured with these costs, process-wide (the fused step
+        sets its model's before each call: another model may have set its own meanwhile)."""
+        if self.prefetch_whole is not None:
+            ext.prefetch_whole_stream(self.prefetch_whole)
+        if self.prefetch_bytes is not None:
+            ext.w4_prefetch_distance(self.prefetch_bytes)
+
     @property
     def rows_are_cheap(self) -> bool:
         return self.pass_rows >= TREE_ROWS
@@ -361,10 +369,7 @@ def install_measured(model: nn.Module) -> StepCosts | None:
     if costs is not None:
         model.row_cost, model.row_prices, model.pass_rows = costs.row_cost, costs.row_prices, costs.pass_rows
         model.step_costs = costs
-        if costs.prefetch_whole is not None:  # the fused step sets them again before each of its calls
-            ext.prefetch_whole_stream(costs.prefetch_whole)
-        if costs.prefetch_bytes is not None:
-            ext.w4_prefetch_distance(costs.prefetch_bytes)
+        costs.install_prefetch()
     return costs
 
 

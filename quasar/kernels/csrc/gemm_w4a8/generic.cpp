@@ -34,14 +34,13 @@ void w4_group_params(const uint8_t* vec, int64_t g, int64_t form, float* scale, 
     return;
   }
   const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
-  uint8_t codes[kW4Q4KCodeBytes];
-  w4_q4k_unpack_codes(h, codes);
-  const uint8_t *c = codes + w4_q4k_code_offset(g), *o = c + 64;
   std::memcpy(sc, h, sizeof sc);
   std::memcpy(of, h + sizeof sc, sizeof of);
   for (int64_t i = 0; i < kW4Lanes; ++i) {  // exact: 11 significant bits times at most 6
-    scale[i] = c10::detail::fp16_ieee_to_fp32_value(sc[i]) * static_cast<float>(c[i]);
-    offset[i] = c10::detail::fp16_ieee_to_fp32_value(of[i]) * static_cast<float>(o[i]);
+    uint8_t c, o;
+    w4_q4k_lane_codes(h, g, i, &c, &o);
+    scale[i] = c10::detail::fp16_ieee_to_fp32_value(sc[i]) * static_cast<float>(c);
+    offset[i] = c10::detail::fp16_ieee_to_fp32_value(of[i]) * static_cast<float>(o);
   }
 }
 

@@ -144,10 +144,10 @@ at::Tensor w4_pack_q4k(const at::Tensor& q, const at::Tensor& scale_codes, const
         std::memcpy(h + 2 * i, ds + n * S + g / quasar::kW4SuperGroups, 2);
         std::memcpy(h + 2 * L + 2 * i, ms + n * S + g / quasar::kW4SuperGroups, 2);
       }
-      const uint8_t cg = cs[n * G + g], og = os[n * G + g];  // the header's layout: w4a8_gemm.h
+      const uint8_t cg = cs[n * G + g], og = os[n * G + g];  // as quasar::w4_q4k_lane_codes reads them
       const int64_t at = g % quasar::kW4SuperGroups / 2 * L + i;
-      h[4 * L + g % 2 * 64 + at] = static_cast<uint8_t>((cg & 15) | (og & 15) << 4);
-      h[4 * L + 128 + at] |= static_cast<uint8_t>(((cg >> 4) | (og >> 4) << 2) << (4 * (g % 2)));
+      h[quasar::kW4Q4KLowBytesAt + g % 2 * 64 + at] = static_cast<uint8_t>((cg & 15) | (og & 15) << 4);
+      h[quasar::kW4Q4KHighBytesAt + at] |= static_cast<uint8_t>(((cg >> 4) | (og >> 4) << 2) << (4 * (g % 2)));
       uint8_t* blk = const_cast<uint8_t*>(quasar::w4_group_nibbles(dst + v * vb, g, form));
       wide |= pack_lane_nibbles(qs, K, n, g, group, i, blk);
     }

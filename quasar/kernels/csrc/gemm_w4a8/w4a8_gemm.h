@@ -32,7 +32,7 @@
 //   192..255 their high 2 bits: for each pair of groups 2p, 2p + 1, 16 bytes, byte i =
 //     c_2p >> 4 | (o_2p >> 4) << 2 | (c_2p+1 >> 4) << 4 | (o_2p+1 >> 4) << 6 of lane i.
 // So three 64-byte loads and a few masks and shifts give a superblock's codes as bytes
-// (w4_q4k_unpack_codes).
+// (w4_q4k_lane_codes, one at a time).
 //
 // kW4Q6K, a GGUF Q6_K tensor as the file stores it: q in [0, 63], w = d * s * (q - 32) with a
 // float16 d per 256 columns and lane and an int8 s per 16 columns. A vector is superblocks of
@@ -87,22 +87,22 @@ inline const uint8_t* w4_q6k_scales(const uint8_t* vec, int64_t g) {
   return w4_superblock(vec, g / kW4SuperGroups, kW4Q6K) + 2 * kW4Lanes + g % kW4SuperGroups * 2 * kW4Lanes;
 }
 
-// The Q4_K form's codes of a superblock unpacked to bytes (kW4Q4KCodeBytes): c of groups 0, 2,
-// 4, 6 (16 lanes each), their o, then c of groups 1, 3, 5, 7, their o. Group g's 16 c start at
-// w4_q4k_code_offset(g), its 16 o 64 bytes after. `h`: the superblock's header.
+// The Q4_K form's header: where its codes' low nibbles (the even groups' 64 bytes, then the odd
+// groups') and their high bit pairs (64 bytes) start.
+constexpr int64_t kW4Q4KLowBytesAt = 2 * 2 * kW4Lanes, kW4Q4KHighBytesAt = kW4Q4KLowBytesAt + 2 * 64;
+// Group g's codes at lane i, from its superblock's header `h` (the layout above).
+inline void w4_q4k_lane_codes(const uint8_t* h, int64_t g, int64_t i, uint8_t* c, uint8_t* o) {
+  const int64_t at = g % kW4SuperGroups / 2 * kW4Lanes + i;
+  const uint8_t low = h[kW4Q4KLowBytesAt + g % 2 * 64 + at], high = h[kW4Q4KHighBytesAt + at] >> (4 * (g % 2));
+  *c = static_cast<uint8_t>((low & 15) | (high & 3) << 4);
+  *o = static_cast<uint8_t>((low >> 4) | (high >> 2 & 3) << 4);
+}
+// A superblock's codes as the SIMD kernels unpack them (q4k_codes_avx512, q4k_codes_avx2), in
+// kW4Q4KCodeBytes: c of groups 0, 2, 4, 6 (16 lanes each), their o, then c of groups 1, 3, 5, 7,
+// their o. Group g's 16 c start at w4_q4k_code_offset(g), its 16 o 64 bytes after.
 constexpr int64_t kW4Q4KCodeBytes = 4 * 64;
 inline int64_t w4_q4k_code_offset(int64_t g) { return g % 2 * 128 + g % kW4SuperGroups / 2 * 16; }
-inline void w4_q4k_unpack_codes(const uint8_t* h, uint8_t* out) {
-  const uint8_t *low = h + 4 * kW4Lanes, *high = low + 2 * 64;
-  for (int64_t j = 0; j < 64; ++j) {
-    const uint8_t even = low[j], odd = low[64 + j], hb = high[j];
-    out[j] = static_cast<uint8_t>((even & 15) | (hb & 3) << 4);
-    out[64 + j] = static_cast<uint8_t>((even >> 4) | (hb >> 2 & 3) << 4);
-    out[128 + j] = static_cast<uint8_t>((odd & 15) | (hb >> 4 & 3) << 4);
-    out[192 + j] = static_cast<uint8_t>((odd >> 4) | (hb >> 6) << 4);
-  }
-}
-// Group g's nibbles in a vector (in the Q6_K form its high bits follow them).
+
 inline const uint8_t* w4_group_nibbles(const uint8_t* vec, int64_t g, int64_t form) {
   if (w4_is_q6k(form))
     return w4_superblock(vec, g / kW4SuperGroups, form) + kW4Q6KHeaderBytes + g % kW4SuperGroups * kW4Q6KGroupBytes;

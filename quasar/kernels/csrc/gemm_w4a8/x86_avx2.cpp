@@ -27,7 +27,7 @@ namespace {
 
 using namespace w4x86;  // x86_common.h: prefetches, loads, kernel table index
 
-// A Q4_K superblock's codes unpacked (w4_q4k_unpack_codes's bytes) from its header `h`, 32
+// A Q4_K superblock's codes unpacked (kW4Q4KCodeBytes, w4a8_gemm.h) from its header `h`, 32
 // bytes of each quarter at a time (as the 512-bit kernel's q4k_codes_avx512): the low nibbles
 // of the even and the odd groups' bytes, with the high bits moved to bits 4-5.
 __attribute__((target("avx2"), always_inline)) inline __m256i q4k_code_bytes(__m256i nibble, __m256i high) {
@@ -36,9 +36,9 @@ __attribute__((target("avx2"), always_inline)) inline __m256i q4k_code_bytes(__m
 }
 __attribute__((target("avx2"), always_inline)) inline void q4k_codes_avx2(const uint8_t* h, uint8_t* out) {
   for (int64_t j = 0; j < 64; j += 32) {
-    const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 64 + j)),
-                  odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 128 + j)),
-                  hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 192 + j));
+    const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + kW4Q4KLowBytesAt + j)),
+                  odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + kW4Q4KLowBytesAt + 64 + j)),
+                  hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + kW4Q4KHighBytesAt + j));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), q4k_code_bytes(even, _mm256_slli_epi16(hb, 4)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 + j),
                         q4k_code_bytes(_mm256_srli_epi16(even, 4), _mm256_slli_epi16(hb, 2)));

@@ -16,7 +16,7 @@ namespace {
 using namespace w4x86;  // x86_common.h: prefetches, loads, kernel table index
 
 // ------------------------------------------------------------------ AVX512-VNNI
-// A Q4_K superblock's codes unpacked (w4_q4k_unpack_codes's bytes) from its header `h`: the
+// A Q4_K superblock's codes unpacked (kW4Q4KCodeBytes, w4a8_gemm.h) from its header `h`: the
 // low nibbles of the even and the odd groups' bytes, with the high bits moved to bits 4-5.
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i q4k_code_bytes(__m512i nibble,
                                                                                        __m512i high) {
@@ -25,8 +25,8 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512i q4k_co
 }
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline void q4k_codes_avx512(const uint8_t* h,
                                                                                       uint8_t* out) {
-  const __m512i even = _mm512_loadu_si512(h + 64), odd = _mm512_loadu_si512(h + 128),
-                hb = _mm512_loadu_si512(h + 192);
+  const __m512i even = _mm512_loadu_si512(h + kW4Q4KLowBytesAt), odd = _mm512_loadu_si512(h + kW4Q4KLowBytesAt + 64),
+                hb = _mm512_loadu_si512(h + kW4Q4KHighBytesAt);
   _mm512_storeu_si512(out, q4k_code_bytes(even, _mm512_slli_epi16(hb, 4)));
   _mm512_storeu_si512(out + 64, q4k_code_bytes(_mm512_srli_epi16(even, 4), _mm512_slli_epi16(hb, 2)));
   _mm512_storeu_si512(out + 128, q4k_code_bytes(odd, hb));
