@@ -285,8 +285,10 @@ class Transformer(nn.Module):
         # holds past its end): steps that hide a few rows under the weight stream price them
         # apart from the dearer ones after (None: row_cost each).
         self.row_prices: tuple[float, ...] | None = None
-        # The measured step times behind them, once measured on this CPU (quasar.runtime.step_cost).
+        # The measured step times behind them, once measured on this CPU (quasar.runtime.step_cost),
+        # and what re-reads the prices from the decoder's own steps (quasar.runtime.learned_prices).
         self.step_costs = None
+        self.learned_prices = None
         # A one-row step's extra time per cached key, as a fraction of its time without
         # context (the fused step: the K/V bytes of a key over the weight bytes; 0: unknown).
         self.key_cost = 0.0

@@ -410,5 +410,6 @@ def install(model: nn.Module) -> None:
     model.select_kernel = ext.row_argmax_topk_op()
     model.row_cost = step_cost.prior_row_cost(model)
     model.row_prices = None  # priced by row_cost until measured
+    model.learned_prices = None
     model.pass_rows = step_cost.prior_pass_rows()
     model.key_cost = step_cost.key_cost(model)

@@ -21,7 +21,8 @@ rounds, need not). :class:`StepCosts` turns them into what the decoder weighs dr
 - ``row_prices``: what each row past the first adds, read off the probed times (between
   probes linearly): where a step's GEMMs hide a few rows under the weight stream and then
   pay for each, one slope would price the free rows and the dear ones alike
-  (``Transformer.row_prices``, what tree drafts are sized by);
+  (``Transformer.row_prices``, what tree drafts are sized by, until the decoder's own steps
+  price them again: quasar.runtime.learned_prices);
 - ``rows_are_cheap``: ``pass_rows`` reaches ``TREE_ROWS``;
 - ``prefers_trees``: rows are cheap or a one-row step takes ``TREE_STEP_SECONDS`` or more, so
   ``--drafter auto`` drafts trees;
@@ -57,6 +58,7 @@ from quasar.kernels import ext
 from quasar.models.rows import Rows
 from quasar.models.moe import sparse_blocks
 from quasar.paths import cache_dir
+from quasar.runtime.learned_prices import LearnedRowPrices
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
 
@@ -363,12 +365,13 @@ def _plausible(seconds: tuple[float, ...]) -> bool:
 
 
 def install_measured(model: nn.Module) -> StepCosts | None:
-    """Set `model`'s row cost, row prices and pass rows from its measured step costs (None:
-    unchanged)."""
+    """Set `model`'s row cost, row prices and pass rows from its measured step costs, and a
+    learner to re-read the prices from its decoders' steps (None: unchanged)."""
     costs = measure(model)
     if costs is not None:
         model.row_cost, model.row_prices, model.pass_rows = costs.row_cost, costs.row_prices, costs.pass_rows
         model.step_costs = costs
+        model.learned_prices = LearnedRowPrices(costs.row_prices, MIN_ROW_PRICE)
         costs.install_prefetch()
     return costs
 

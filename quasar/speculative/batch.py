@@ -21,6 +21,7 @@ A sequence's tokens are bitwise the same whether it decodes alone or beside othe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from quasar.models.llama import Transformer
 from quasar.models.rows import Rows
 from quasar.models.tokenizer import Tokenizer
 from quasar.speculative.drafters import Drafter, worth_verifying
-from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence, row_prices_at
+from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence, context_units, row_prices_at
 
 # Prompt tokens per prefill call: the most rows the fused W8A8 step takes (faster than the
 # modules' causal prefill). Chunks start at multiples of this, so a prompt's cache is the
@@ -111,6 +112,8 @@ class BatchDecoder:
             raise ValueError(f"key {key!r} is decoding already")
         seq = Sequence(prompt_ids, drafter, opts, self.tokenizer, self.cache.max_seq_len, self.model.row_cost,
                        self.model.pass_rows, self.model.key_cost, self.model.row_prices)
+        if self._fixed_drafts(seq) and self.model.learned_prices is not None:
+            seq.row_prices = self.model.learned_prices.probed  # what a learner read does not move its drafts
         slot = self.free.pop(0)
         self.cache.lengths[slot] = 0
         self.entries[key] = _Entry(key, seq, slot)
@@ -184,7 +187,26 @@ class BatchDecoder:
             slots += [entry.slot] * len(toks)
             parents += [p if p < 0 else base + p for p in pars]
         rows = Rows.build(tokens, slots, parents, self.cache.lengths)
-        return rows, self.model.step(rows)
+        t0 = time.perf_counter()
+        logits = self.model.step(rows)
+        self._learn_prices(group, len(rows), time.perf_counter() - t0)
+        return rows, logits
+
+    def _learn_prices(self, group: list, n_rows: int, seconds: float) -> None:
+        """Hand the step's time to the verifier's row-price learner (a measured fused step
+        has one: quasar.runtime.learned_prices); prices it reads again reach every sequence
+        but seeded sampling's, which keeps the probe's: its draws follow its drafts, which
+        must not depend on the steps other requests took before it."""
+        learner = self.model.learned_prices
+        if learner is None:
+            return
+        units = context_units(self.model.key_cost, [(self.cache.lengths[e.slot], len(t)) for e, t, _ in group])
+        prices = learner.record(n_rows, seconds, units)
+        if prices is not None:
+            self.model.row_prices = prices
+            for entry in self.entries.values():
+                if not self._fixed_drafts(entry.seq):
+                    entry.seq.row_prices = prices
 
     def _fail(self, entry: _Entry, error: Exception) -> tuple[Hashable, Exception]:
         self.remove(entry.key)

@@ -169,6 +169,14 @@ def row_cost_at(row_cost: float, key_cost: float, n_keys: int) -> float:
     return (row_cost + ROW_KEY_SHARE * kv) / (1.0 + kv)
 
 
+def context_units(key_cost: float, slots: list[tuple[int, int]]) -> float:
+    """A verifier step's time over its time without context, its rows' prices aside (the model
+    of row_cost_at): each sequence's cached keys read once, key_cost each, and attended by
+    each of its rows past the first at ROW_KEY_SHARE of that. `slots`: (cached keys, rows)
+    of each sequence in the step."""
+    return 1.0 + sum(key_cost * n_keys * (1.0 + ROW_KEY_SHARE * (rows - 1)) for n_keys, rows in slots)
+
+
 def row_prices_at(row_prices: tuple[float, ...] | None, row_cost: float, key_cost: float, n_keys: int,
                   n: int) -> list[float]:
     """What each of the next n rows past a step's first adds (at least one row): the measured

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, swapped
 from quasar.api import LLM
 from quasar.quant.options import QuantOptions
 from quasar.speculative.batch import PREFILL_CHUNK, BatchDecoder
@@ -123,6 +123,36 @@ def test_join_cancel_and_slot_reuse_change_no_tokens(llm):
     assert outputs["b"] == run_alone(llm, PROMPTS[1], **SAMPLING)
     assert outputs["d"] == run_alone(llm, PROMPTS[3], **SAMPLING)
     assert outputs["e"] == run_alone(llm, PROMPTS[4])
+
+
+def test_the_decoder_learns_its_verifiers_row_prices_from_its_steps(llm):
+    """Each verifier step's time reaches the model's row-price learner (quasar.runtime.
+    learned_prices); prices it reads again reach the model and every sequence decoding, and
+    greedy output stays autoregressive greedy's whatever the prices."""
+    from quasar.runtime import step_cost
+    from quasar.runtime.learned_prices import REPRICE_EVERY, WINDOW, LearnedRowPrices
+
+    model = llm.verifier_model("w8a8")
+    costs = step_cost.current(model)
+    assert model.learned_prices.probed == costs.row_prices
+    learner = LearnedRowPrices(costs.row_prices, step_cost.MIN_ROW_PRICE)
+    # a window of slow steps, each second row adding half a one-row step: a few of the
+    # decoder's own (far shorter) steps move neither median
+    for _ in range(WINDOW // 2 - REPRICE_EVERY):
+        learner.steps.extend([(1, 1.0, 1.0), (2, 1.5, 1.0)])
+    greedy = llm.check_options(max_new_tokens=20, drafter="tree")
+    plans, outputs = {}, {}
+    with llm.lock, swapped(model, "learned_prices", learner), swapped(model, "row_prices", costs.row_prices):
+        batch = llm.batch_decoder("w8a8", slots=[1, 2])
+        for key, prompt in zip("ab", PROMPTS):
+            batch.add(key, llm.encode(prompt), llm.new_drafter(greedy), greedy.options)
+        drive(batch, plans, outputs, until=lambda: model.row_prices != costs.row_prices)
+        assert model.row_prices == learner.prices and learner.prices[0] == pytest.approx(0.5)
+        assert batch.entries and all(e.seq.row_prices == learner.prices for e in batch.entries.values())
+        drive(batch, plans, outputs)
+    assert all(units >= 1.0 and 1 <= rows for rows, _, units in learner.steps)
+    for key, prompt in zip("ab", PROMPTS):
+        assert outputs[key] == run_alone(llm, prompt, drafter="none")
 
 
 def test_a_shared_prompt_is_prefilled_once(llm, monkeypatch):

@@ -308,7 +308,9 @@ def test_auto_drafter_follows_the_measured_step_costs(char_llm):
     model = char_llm.verifier_model("w8a8")
     costs = model.step_costs
     assert costs is not None and costs.kernel_path == ext.kernel_path()
-    assert (model.row_cost, model.row_prices, model.pass_rows) == (costs.row_cost, costs.row_prices, costs.pass_rows)
+    assert (model.row_cost, model.pass_rows) == (costs.row_cost, costs.pass_rows)
+    # rows priced by the probe until the decoder's own steps price them (quasar.runtime.learned_prices)
+    assert model.learned_prices.probed == costs.row_prices and model.row_prices == model.learned_prices.prices
     expected = "tree" if costs.prefers_trees else "ngram"
     assert char_llm.resolve_drafter("auto", "w8a8") == expected
     assert char_llm.resolve_drafter("auto", "fp") == "ngram"  # the float verifier: the chain
