@@ -54,11 +54,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t groups = K / group;
   alignas(64) uint8_t codes[SB ? kW4Q4KCodeBytes : 1];  // the superblock's, unpacked
+  __m512 d = _mm512_setzero_ps(), m = d;                   // and its d and m
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = w4_group_nibbles(vec, g, form);
     if (SB && g % kW4SuperGroups == 0) {
-      if (ahead) prefetch_lines(p - kW4SuperHeaderBytes, kW4SuperHeaderBytes, ahead);
-      q4k_codes_avx512(p - kW4SuperHeaderBytes, codes);
+      const uint8_t* h = p - kW4SuperHeaderBytes;
+      if (ahead) prefetch_lines(h, kW4SuperHeaderBytes, ahead);
+      q4k_codes_avx512(h, codes);
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
     }
     __m512i sl[R], sh[R];
 #pragma GCC unroll 16
@@ -79,10 +83,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
     }
     __m512 sc, of;
     if constexpr (SB) {  // d * c and m * o, exact in float32
-      const uint8_t* h = w4_superblock(vec, g / kW4SuperGroups, form);
       const uint8_t* cg = codes + w4_q4k_code_offset(g);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
       const __m512i c = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(cg)));
       const __m512i o = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(cg + 64)));
       sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(c));
