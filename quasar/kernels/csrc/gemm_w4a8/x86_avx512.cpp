@@ -33,6 +33,15 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void q4k_codes
   _mm512_storeu_si512(out + 192, q4k_code_bytes(_mm512_srli_epi16(odd, 4), _mm512_srli_epi16(hb, 2)));
 }
 
+// acc + vpdpbusd(w, the 4 bytes at x in every lane), the bytes read by the instruction's own
+// broadcast operand (GCC does not fold _mm512_set1_epi32 into vpdpbusd: it would issue a
+// vpbroadcastd before each product).
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i dpbusd_x4(__m512i acc, __m512i w,
+                                                                                     const int8_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
 // One zmm per step: 16 lanes x 4 columns per vpdpbusd. The steps of a group are unrolled
 // (STEPS = group / 8 is a template argument), which lets GCC keep every accumulator in a
 // register; with a run-time step count it copied them around the loop and spilled. Up to 8
@@ -76,9 +85,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const ui
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + r * a.ldq + g * group + 8 * st;
-        sl[r] = _mm512_dpbusd_epi32(sl[r], lo, _mm512_set1_epi32(load_u32(x)));
+        sl[r] = dpbusd_x4(sl[r], lo, x);
         __m512i& h = kTwoChains ? sh[r] : sl[r];
-        h = _mm512_dpbusd_epi32(h, hi, _mm512_set1_epi32(load_u32(x + 4)));
+        h = dpbusd_x4(h, hi, x + 4);
       }
     }
     __m512 sc, of;
@@ -140,8 +149,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512_q6k(cons
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + r * a.ldq + g * 32 + 8 * st;
         __m512i& s = st < 2 ? sa[r] : sb[r];
-        s = _mm512_dpbusd_epi32(s, lo, _mm512_set1_epi32(load_u32(x)));
-        s = _mm512_dpbusd_epi32(s, hi, _mm512_set1_epi32(load_u32(x + 4)));
+        s = dpbusd_x4(s, lo, x);
+        s = dpbusd_x4(s, hi, x + 4);
       }
     }
     const int8_t* sub = reinterpret_cast<const int8_t*>(w4_q6k_scales(vec, g));
