@@ -6,7 +6,8 @@
 A config is `chain` (the n-gram chain, adaptive k), `chain:K` (its first draft length) or
 `tree:N` (tree drafts of at most N nodes), optionally `@COST` to price every row at COST of
 a one-row step instead of the verifier's own prices (`row_prices` once measured, else
-`row_cost`: what trees keep nodes by). Every
+`row_cost`: what trees keep nodes by; held as they are at the start: the decoder's price
+learner, quasar.runtime.learned_prices, is paused, so rounds repeat). Every
 config decodes every prompt greedily with the same verifier (W8A8, or W4A8 with --verifier
 w4a8), one after another, round by round, so drifting machine load hits them alike; each
 prompt's fastest round counts. Tree configs keep their own recycling table across prompts,
@@ -90,7 +91,7 @@ def compare(llm: LLM, configs: list[Config], tasks: list[str], n: int, rounds: i
     prompts, _ = load_prompts(BenchConfig(tasks=tasks, n=n, max_new_tokens=max_new_tokens), llm)
     model = llm.verifier_model(verifier)
     table = llm.recycling_table(verifier)
-    own_cost, own_prices = model.row_cost, model.row_prices
+    own_cost, own_prices, learner = model.row_cost, model.row_prices, model.learned_prices
     tables = {c: RecyclingTable() for c in configs}  # each config's table after its last run
     before: dict[tuple[Config, int], RecyclingTable] = {}  # the table before a prompt's first run
     runs: dict[tuple[Config, int], list[tuple[float, dict, list[int]]]] = {}
@@ -108,14 +109,18 @@ def compare(llm: LLM, configs: list[Config], tasks: list[str], n: int, rounds: i
         tables[c] = table.copy()
         runs.setdefault((c, i), []).append((res.stats["decode_s"], res.stats, list(res.token_ids)))
 
-    for c in configs:  # warm every code path once, outside the measurement and the tables
-        llm.generate(prompt_ids=prompts[0].ids[:16], max_new_tokens=4, temperature=0.0, drafter=c.drafter,
-                     verifier=verifier)
-    table.restore(RecyclingTable())
-    for _ in range(rounds):
-        for i, p in enumerate(prompts):
-            for c in configs:
-                run(c, i, p.ids)
+    model.learned_prices = None
+    try:
+        for c in configs:  # warm every code path once, outside the measurement and the tables
+            llm.generate(prompt_ids=prompts[0].ids[:16], max_new_tokens=4, temperature=0.0, drafter=c.drafter,
+                         verifier=verifier)
+        table.restore(RecyclingTable())
+        for _ in range(rounds):
+            for i, p in enumerate(prompts):
+                for c in configs:
+                    run(c, i, p.ids)
+    finally:
+        model.learned_prices = learner
     out = Outcome()
     for c in configs:
         out.overall[c.text] = Tally()

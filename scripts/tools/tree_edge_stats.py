@@ -57,8 +57,10 @@ def main() -> None:
     registry._DRAFTERS["tree"] = CountingTreeDrafter
     llm = LLM(args.model, max_context=4096, max_batch=1)
     model = llm.verifier_model("w8a8")
-    # keep every proposed node (rows free, however many, whatever the context): measure them all
+    # keep every proposed node (rows free, however many, whatever the context): measure them all;
+    # no price learner (quasar.runtime.learned_prices) to price them again
     model.row_cost, model.row_prices, model.pass_rows, model.key_cost = 0.0, None, None, 0.0
+    model.learned_prices = None
     bench = {item.id for task in TASKS for k in (2, 5) for item in task_prompts(task, k)}
     prompts = 0
     for task in TASKS:
