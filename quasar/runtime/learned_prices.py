@@ -12,7 +12,8 @@ prices of rows 2, 3, ... are read again from the last `WINDOW` steps:
 - what rows 2..k add, for each row count k the window holds `MIN_STEPS` steps of: the median
   of (time / T0 - context units) over those steps;
 - between row counts read so, straight lines; past the last, the probe's own prices; each
-  row at least the probe's floor (step_cost.MIN_ROW_PRICE).
+  row at least the probe's floor (step_cost.MIN_ROW_PRICE): `joined_prices`, the rule the
+  probe's own prices follow (step_cost.StepCosts.row_prices).
 
 All row counts are read from the same window, so a drift of the host's speed reaches a k-row
 step and the one-row step it is compared with alike. While the window holds fewer than
@@ -24,11 +25,24 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-__all__ = ["LearnedRowPrices", "MIN_STEPS", "REPRICE_EVERY", "WINDOW"]
+__all__ = ["LearnedRowPrices", "MIN_STEPS", "REPRICE_EVERY", "WINDOW", "joined_prices"]
 
 WINDOW = 192  # steps the prices are read from: two or three requests' worth
 MIN_STEPS = 8  # steps of a row count the window holds before their median is trusted
 REPRICE_EVERY = 8  # steps between readings
+
+
+def joined_prices(points: list[tuple[int, float]], floor: float) -> tuple[float, ...]:
+    """What rows 2, 3, ... up to the last point's row count each add to a step, as a fraction
+    of a one-row step, from `points` (row count k, a k-row step's time over a one-row step's;
+    k increasing from (1, 1.0)): the points joined by straight lines, never falling (a point
+    under an earlier one was noise), at least `floor` a row."""
+    ratios = [1.0]
+    for k in range(2, points[-1][0] + 1):
+        hi = next(i for i, (r, _) in enumerate(points) if r >= k)
+        (k0, r0), (k1, r1) = points[hi - 1], points[hi]
+        ratios.append(max(ratios[-1], r0 + (r1 - r0) * (k - k0) / (k1 - k0)))
+    return tuple(max(floor, b - a) for a, b in zip(ratios, ratios[1:]))
 
 
 class LearnedRowPrices:
@@ -71,16 +85,10 @@ class LearnedRowPrices:
         for k, s, u in self.steps:
             if k > 1:
                 added.setdefault(k, []).append(s / t0 - u)
-        knots = [(1, 0.0)]  # (rows, what rows 2..k add), never falling
+        points = [(1, 1.0)]  # (rows, a step's time over a one-row step's), never falling
         for k in sorted(added):
             if len(added[k]) >= MIN_STEPS:
-                knots.append((k, max(knots[-1][1], statistics.median(added[k]))))
-        cum = [0.0]  # what rows 2..k add, k = 1 .. max_rows
-        for k in range(2, self.max_rows + 1):
-            hi = next((i for i, (r, _) in enumerate(knots) if r >= k), None)
-            if hi is None:  # past the last row count read: the probe's price
-                cum.append(cum[-1] + self.probed[k - 2])
-            else:
-                (k0, c0), (k1, c1) = knots[hi - 1], knots[hi]
-                cum.append(c0 + (c1 - c0) * (k - k0) / (k1 - k0))
-        return tuple(round(max(self.floor, b - a), 6) for a, b in zip(cum, cum[1:]))
+                points.append((k, max(points[-1][1], 1.0 + statistics.median(added[k]))))
+        for k in range(points[-1][0] + 1, self.max_rows + 1):  # past the last row count read: the probe's prices
+            points.append((k, points[-1][1] + self.probed[k - 2]))
+        return tuple(round(p, 6) for p in joined_prices(points, self.floor))

@@ -58,7 +58,7 @@ from quasar.kernels import ext
 from quasar.models.rows import Rows
 from quasar.models.moe import sparse_blocks
 from quasar.paths import cache_dir
-from quasar.runtime.learned_prices import LearnedRowPrices
+from quasar.runtime.learned_prices import LearnedRowPrices, joined_prices
 from quasar.runtime.w4a8 import W4A8Linear
 from quasar.runtime.w8a8 import Int8Linear
 
@@ -236,13 +236,7 @@ class StepCosts:
         """What rows 2, 3, ... up to the most probed add to a step, each as a fraction of a
         one-row step: the probed times joined by straight lines, never falling (a probe faster
         than one of fewer rows was noise), at least MIN_ROW_PRICE a row."""
-        ratios = [1.0]
-        for k in range(2, self.rows[-1] + 1):
-            hi = next(i for i, r in enumerate(self.rows) if r >= k)
-            k0, k1 = self.rows[hi - 1], self.rows[hi]
-            at_k = self.ratio(k0) + (self.ratio(k1) - self.ratio(k0)) * (k - k0) / (k1 - k0)
-            ratios.append(max(ratios[-1], at_k))
-        return tuple(max(MIN_ROW_PRICE, b - a) for a, b in zip(ratios, ratios[1:]))
+        return joined_prices([(k, self.ratio(k)) for k in self.rows], MIN_ROW_PRICE)
 
     def install_prefetch(self) -> None:
         """Set the prefetch choices measured with these costs, process-wide (the fused step
