@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 import quasar.quant  # noqa: F401  (registers the W8A8 checkpoint format with the model loader)
-from quasar.defaults import DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, MAX_BATCH
+from quasar.defaults import DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, DEFAULT_PROMPT_CACHE_MIB, MAX_BATCH
 from quasar.engine.engine import Engine
 from quasar.engine.plan import DecodePlan
 from quasar.engine.spec import VerifierSpec
@@ -65,8 +65,10 @@ class LLM:
     def __init__(self, model: str = "default", *, dtype: str = "auto", drafter: str | None = None,
                  verifier: str | VerifierSpec | None = None, draft: DraftOptions | None = None,
                  max_context: int = DEFAULT_CONTEXT, threads: int | None = None,
-                 quant: QuantOptions | None = None, max_batch: int = DEFAULT_MAX_BATCH):
+                 quant: QuantOptions | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
+        check_int("prompt_cache_mib", prompt_cache_mib, 0, 1 << 20)
         if threads:
             torch.set_num_threads(threads)
         spec = VerifierSpec.parse(verifier) if verifier is not None else None  # fails before the load
@@ -78,7 +80,7 @@ class LLM:
         self.config = self.loaded.config
         self.dtype = dtype
         self.engine = Engine(self.loaded, quant or QuantOptions(),
-                             min(max_context, self.config.max_position_embeddings), max_batch)
+                             min(max_context, self.config.max_position_embeddings), max_batch, prompt_cache_mib)
         # The engine's, fixed for its life; `lock` is held while a call uses the verifiers.
         self.max_context, self.max_batch = self.engine.max_context, self.engine.max_batch
         self.quant, self.lock = self.engine.quant, self.engine.lock

@@ -47,6 +47,10 @@ DEFAULT_RECYCLE_TOP_K = 8
 DEFAULT_MAX_BATCH = 8
 MAX_BATCH = 64
 DEFAULT_BATCH_ROWS = 16
+# Host memory per verifier for finished sequences' K/V, which later prompts that start the same
+# way (a chat's next turn, a shared system prompt) reuse instead of prefilling them again
+# (quasar.speculative.prompt_cache). 0 turns it off.
+DEFAULT_PROMPT_CACHE_MIB = 1024
 # `quasar bench`'s fidelity column: each engine's model is scored on the held-out text's
 # first 1024 tokens, 1023 predictions in exactly three 512-token windows (stride 256; one
 # token more would cost a fourth), seconds per model at the default size. Top-1 over ~1000

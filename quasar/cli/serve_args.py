@@ -12,7 +12,7 @@ import os
 import socket
 
 from quasar.cli.args import add_decoding_args, add_model_args
-from quasar.defaults import DEFAULT_MAX_BATCH
+from quasar.defaults import DEFAULT_MAX_BATCH, DEFAULT_PROMPT_CACHE_MIB
 from quasar.errors import QuasarError
 from quasar.server.verifier_pool import DEFAULT_MAX_VERIFIERS
 
@@ -39,6 +39,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                    help=f"sequences decoded together in one verifier step (default {DEFAULT_MAX_BATCH}); "
                         "each has its own slot in the KV cache")
+    p.add_argument("--prompt-cache-mib", type=int, default=DEFAULT_PROMPT_CACHE_MIB, metavar="MIB",
+                   help="host memory per verifier for finished requests' K/V, which later prompts that start "
+                        "the same way (a chat's next turn, a shared system prompt) reuse instead of prefilling "
+                        f"them (default {DEFAULT_PROMPT_CACHE_MIB}; 0: off)")
     p.add_argument("--max-context", type=int, default=None, help="context length in tokens (default: 8192 "
                                                                    "or the model's, whichever is smaller)")
     p.add_argument("--default-max-tokens", type=int, default=1024,
@@ -87,6 +91,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise QuasarError(f"--max-context must be at least 2, got {args.max_context}")
     if args.max_verifiers < 1:
         raise QuasarError(f"--max-verifiers must be at least 1, got {args.max_verifiers}")
+    if args.prompt_cache_mib < 0:
+        raise QuasarError(f"--prompt-cache-mib must be at least 0, got {args.prompt_cache_mib}")
     check_replica_args(args)
 
 

@@ -23,7 +23,8 @@ def engine_app(args: argparse.Namespace, metrics: ServerMetrics | None = None, p
     (bad weights fail here, and the first request does not wait for the build)."""
     offered = [VerifierSpec.parse(name) for name in names(args.verifiers)]
     llm = LLM(args.model, dtype=args.dtype, draft=draft_options(args), verifier=args.verifier,
-              max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads, max_batch=args.max_batch)
+              max_context=args.max_context or DEFAULT_CONTEXT, threads=args.threads, max_batch=args.max_batch,
+              prompt_cache_mib=args.prompt_cache_mib)
     args.verifier = llm.verifier  # the default resolved (a quantized checkpoint's own kind)
     app = create_app(llm, api_key=api_key(args), max_queue=args.max_queue, model_name=args.served_model_name,
                      default_max_tokens=args.default_max_tokens, verifiers=offered, metrics=metrics,

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from quasar.defaults import DEFAULT_BATCH_ROWS
+from quasar.defaults import DEFAULT_BATCH_ROWS, DEFAULT_PROMPT_CACHE_MIB
 from quasar.engine.plan import DecodePlan
 from quasar.engine.spec import VerifierSpec
 from quasar.engine.verifiers import pruned_model
@@ -35,6 +35,7 @@ from quasar.runtime.step_cost import StepCosts
 from quasar.speculative.batch import BatchDecoder, decode
 from quasar.speculative.drafters import Drafter
 from quasar.speculative.generate import Chunk, Result
+from quasar.speculative.prompt_cache import PromptCache
 from quasar.speculative.options import DecodeOptions
 from quasar.speculative.registry import AUTO, make_drafter, resolve_drafter
 from quasar.speculative.tree_drafter import RecyclingTable
@@ -44,12 +45,15 @@ class Engine:
     """The verifiers of `loaded` (a LoadedModel), each with a KV cache of `max_batch` slots of
     `max_context` tokens; `quant` says how the W8A8 verifier is made."""
 
-    def __init__(self, loaded: LoadedModel, quant: QuantOptions, max_context: int, max_batch: int):
+    def __init__(self, loaded: LoadedModel, quant: QuantOptions, max_context: int, max_batch: int,
+                 prompt_cache_mib: int = DEFAULT_PROMPT_CACHE_MIB):
         self.loaded, self.quant = loaded, quant
         self.max_context, self.max_batch = max_context, max_batch
+        self.prompt_cache_mib = prompt_cache_mib
         self.lock = threading.RLock()  # held while a call uses the verifiers and their caches
         self._models: dict[VerifierSpec, Transformer] = {}
         self._recycled: dict[VerifierSpec, RecyclingTable] = {}
+        self._prompts: dict[VerifierSpec, PromptCache] = {}
 
     # ------------------------------------------------------------ verifiers
     def model(self, spec: VerifierSpec) -> Transformer:
@@ -89,11 +93,12 @@ class Engine:
         return list(self._models)
 
     def release(self, spec: VerifierSpec) -> None:
-        """Drop verifier `spec`, its KV cache and its recycling table (a later use builds it
+        """Drop verifier `spec`, its KV cache, prompt cache and recycling table (a later use builds it
         again). The caller must hold no decoder over it."""
         with self.lock:
             model = self._models.pop(spec, None)
             self._recycled.pop(spec, None)
+            self._prompts.pop(spec, None)
             if model is not None:
                 model.cache = None  # the cache goes even if something still holds the model
         if model is not None:
@@ -155,13 +160,24 @@ class Engine:
         return make_drafter(plan.drafter, **options)
 
     # ------------------------------------------------------------ decoding
+    def prompt_cache(self, spec: VerifierSpec) -> PromptCache | None:
+        """The finished sequences' K/V that `spec`'s batches reuse (quasar.speculative.
+        prompt_cache), up to `prompt_cache_mib`; None when that is 0."""
+        if self.prompt_cache_mib <= 0:
+            return None
+        return self._prompts.setdefault(spec, PromptCache(self.prompt_cache_mib << 20))
+
     def batch_decoder(self, spec: VerifierSpec, slots: list[int] | None = None) -> BatchDecoder:
-        """A BatchDecoder over `spec`'s cache slots (all by default); hold `lock` while using it."""
+        """A BatchDecoder over `spec`'s cache slots (all by default), with its prompt cache;
+        hold `lock` while using it."""
         model = self.model(spec)
         cache = model.cache
         if cache is None or cache.n_slots < self.max_batch or cache.max_seq_len != self.max_context:
             model.setup_cache(self.max_context, n_slots=self.max_batch)  # someone resized it
-        return BatchDecoder(model, self.loaded.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS)
+            if spec in self._prompts:
+                self._prompts[spec].clear()  # the kept K/V were of that cache's dtype and shape
+        return BatchDecoder(model, self.loaded.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS,
+                            prompt_cache=self.prompt_cache(spec))
 
     def stream(self, plan: DecodePlan, ids: list[int]) -> Iterator[Chunk | Result]:
         """Decode prompt `ids` with `plan`: a Chunk per verifier step, then the Result."""

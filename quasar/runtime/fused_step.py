@@ -81,6 +81,7 @@ class FusedW8A8Step:
         self._plan: _Plan | None = None  # flat per-layer argument lists of the op
         # What to recheck before each step, as columns: (owner dicts, keys, objects)
         self._watch: tuple[tuple, tuple, tuple] = ((), (), ())
+        self._builds = 0  # plans built so far: a new one may compute other bits
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, rows, prefill: bool = False) -> Tensor | None:
         # prefill: the rows are a prompt chunk (always computed the same way for a prompt),
@@ -113,6 +114,25 @@ class FusedW8A8Step:
                 return self(x, cos, sin, cache, rows, prefill)
         return y
 
+    def exact_rows_key(self, cache) -> tuple | None:
+        """When the op computes every step and prefill chunk over `cache` row by row (then a
+        position's K/V depend only on the tokens up to it, whether a prefill chunk, a draft
+        row or a one-token step ran it): what its bits depend on besides the tokens (the
+        kernel paths, the plan). None when it declines this model or cache, or may prefill
+        with AMX tiles (not row by row)."""
+        if self._plan is None or not self._unchanged():
+            if not self._build():
+                return None
+        embed = self.model.model.embed_tokens.weight
+        if embed.dtype != torch.float32 or embed.device.type != "cpu" or cache is None:
+            return None
+        if cache.k.dtype == torch.bfloat16:
+            if not self._bf16 or ext.amx_attention_supported():
+                return None
+        elif cache.k.dtype != torch.float32:
+            return None
+        return ext.kernel_path(), ext.w4a8_kernel_path(), self._builds
+
     def _unchanged(self) -> bool:
         """Every watched object is still in place: ~1,500 identity checks at 30 layers, run
         with map() so a step spends microseconds on them, not a millisecond. A sparse layer's
@@ -144,6 +164,7 @@ class FusedW8A8Step:
         plan.experts = torch.ops.quasar_quant.w8a8_expert_plan(
             *plan.expert_linears.lists(), [len(b.experts) for _, b in plan.sparse], self.model.config.hidden_size)
         self._plan, self._watch = plan, tuple(zip(*watch))
+        self._builds += 1
         return True
 
 

@@ -140,7 +140,8 @@ async def generate(request: Request, kind: str):
     choices = [choice(req, i, r.text, r.finish_reason, None if logprobs is None else logprobs[i].format(r.logprobs))
                for i, r in enumerate(results)]
     return completion_response(req, rid, created, ctx.served, choices,
-                               usage(len(prompt_ids), sum(r.stats.new_tokens for r in results)),
+                               usage(len(prompt_ids), sum(r.stats.new_tokens for r in results),
+                                     max(r.stats.cached_tokens for r in results)),
                                quasar_stats(plan, Stats.combined([r.stats for r in results]), events.job))
 
 
@@ -186,8 +187,9 @@ async def stream_events(ctx: ServerContext, req: GenRequest, events: JobEvents, 
             event = await events.next(None)
         if event[0] == "result" and req.include_usage:
             tokens = sum(r.stats.new_tokens for r in event[1])
+            cached = max(r.stats.cached_tokens for r in event[1])
             yield sse(stream_chunk(req, rid, created, ctx.served, no_choices=True,
-                                   use=usage(len(job.prompt_ids), tokens)))
+                                   use=usage(len(job.prompt_ids), tokens, cached)))
         elif event[0] == "error":
             yield sse(scheduler_error(event[1]).body())
         yield sse("[DONE]")

@@ -173,6 +173,8 @@ class ServerMetrics:
         self.engine_errors = Counter(r, "quasar_engine_errors_total",
                                      "Generations that failed inside the engine, by kind", ("kind",))
         self.prompt_tokens = Counter(r, "quasar_prompt_tokens_total", "Prompt tokens processed")
+        self.cached_tokens = Counter(r, "quasar_prompt_cached_tokens_total",
+                                     "Prompt tokens whose K/V came from the prompt cache instead of a prefill")
         self.completion_tokens = Counter(r, "quasar_completion_tokens_total", "Tokens generated")
         self.steps = Counter(r, "quasar_verifier_steps_total", "Verifier forward passes (after prefill)",
                              ("drafter", "verifier"))

@@ -415,6 +415,7 @@ class Scheduler:
     def _record_result(self, result: Result, labels: dict) -> None:
         m, s = self.metrics, result.stats
         m.completion_tokens.inc(s.new_tokens)
+        m.cached_tokens.inc(s.cached_tokens)
         m.steps.inc(s.steps, **labels)
         m.drafted.inc(s.drafted, **labels)
         m.accepted.inc(s.accepted, **labels)

@@ -2,16 +2,19 @@
 
 A `BatchDecoder` drives `Sequence`s (quasar.speculative.generate) in the slots of one
 verifier's KV cache. Each `step()`:
-1. prefills waiting sequences, at most `prefill_budget` prompt tokens a step, so a long
-   prompt does not stall the sequences already decoding (a prompt that matches one already
-   in the cache is copied from that slot instead: `n` choices share one prefill);
+1. prefills waiting sequences in whole chunks, the prompt with the fewest tokens left first,
+   at most `prefill_budget` prompt tokens a step, so a long prompt does not stall the
+   sequences already decoding (a prompt that matches one already in the cache is copied from
+   that slot instead: `n` choices share one prefill; with a `PromptCache`, a prompt starts
+   from the longest prefix a finished sequence left there);
 2. runs one verifier step over the rows of every decoding sequence ([pending, *drafts]
    each, in its own slot), hands each its logits, commits what it accepted and returns
    what each emitted. A sequence that ends leaves at once and frees its slot.
 
 A sequence's tokens are bitwise the same whether it decodes alone or beside others:
 - a prompt is always prefilled in the same chunks (fixed offsets, `prefill`), whatever
-  else is in flight;
+  else is in flight, and K/V copied from another slot or the prompt cache are exactly those
+  (quasar.speculative.prompt_cache);
 - a verifier step computes each row on its own (quasar.models.rows, "row invariance"), so
   other slots' rows change no bit of a sequence's logits;
 - a batch may shorten the drafts of greedy sequences (their output does not depend on the
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,6 +36,7 @@ from quasar.models.rows import Rows
 from quasar.models.tokenizer import Tokenizer
 from quasar.speculative.drafters import Drafter, worth_verifying
 from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence, context_units, row_prices_at
+from quasar.speculative.prompt_cache import PromptCache, regime
 
 # Prompt tokens per prefill call: the most rows the fused W8A8 step takes (faster than the
 # modules' causal prefill). Chunks start at multiples of this, so a prompt's cache is the
@@ -40,6 +44,13 @@ from quasar.speculative.generate import Chunk, DecodeOptions, Result, Sequence, 
 PREFILL_CHUNK = 128
 # Rows of one verifier call (the fused step takes up to 128); a bigger batch makes more calls.
 MAX_STEP_ROWS = 128
+# Steps a waiting prompt lets prompts with fewer tokens left go first before it goes first.
+PREFILL_PATIENCE = 4
+
+
+def chunk_end(done: int, n: int) -> int:
+    """Where the prefill chunk of an n-token prompt that starts at `done` ends."""
+    return min(n, (done // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
 
 
 def prefill(model: Transformer, slot: int, ids: list[int], start: int = 0, budget: int | None = None) -> int:
@@ -48,7 +59,7 @@ def prefill(model: Transformer, slot: int, ids: list[int], start: int = 0, budge
     None: all). Returns the new committed length."""
     done = start
     while done < len(ids) and (budget is None or done - start < budget):
-        end = min(len(ids), (done // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+        end = chunk_end(done, len(ids))
         # model() picks its path (rows, the fused step's chain, or a causal prefill) from
         # the chunk's length alone: the same every time.
         model(torch.tensor([ids[done:end]], device=model.model.norm.weight.device), logits="none", slot=slot)
@@ -62,6 +73,9 @@ class _Entry:
     seq: Sequence
     slot: int
     filled: int = 0  # prefill tokens in the cache so far
+    order: int = 0  # arrival
+    passed: int = 0  # steps that prefilled others while this prompt waited
+    decoded: list[int] = field(default_factory=list)  # ids its steps committed after the prompt
 
     @property
     def prefilled(self) -> bool:
@@ -74,11 +88,13 @@ class BatchDecoder:
     `add` places a sequence in a free slot; `step` advances every sequence by one verifier
     step (after this step's prefill work) and returns [(key, Chunk, Result or the
     exception it failed with)]; after a Result or an exception the slot is free again.
-    `remove` drops one (a cancelled request).
+    `remove` drops one (a cancelled request). With a `prompt_cache`, a sequence that leaves
+    is kept there and a new one starts from the longest prefix kept.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, slots: list[int] | None = None,
-                 prefill_budget: int | None = PREFILL_CHUNK, max_rows: int | None = None):
+                 prefill_budget: int | None = PREFILL_CHUNK, max_rows: int | None = None,
+                 prompt_cache: PromptCache | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.cache = model.cache if model.cache is not None else model.setup_cache()
         self.free = list(slots if slots is not None else range(self.cache.n_slots))
@@ -89,6 +105,8 @@ class BatchDecoder:
         self.max_rows = max_rows
         self.entries: dict[Hashable, _Entry] = {}  # in arrival order
         self.float_gemms = any(type(m) is nn.Linear for m in model.modules())
+        self.prompt_cache = prompt_cache
+        self._arrivals = 0
 
     # ------------------------------------------------------------------ membership
     @property
@@ -114,18 +132,30 @@ class BatchDecoder:
                        self.model.pass_rows, self.model.key_cost, self.model.row_prices)
         if self._fixed_drafts(seq) and self.model.learned_prices is not None:
             seq.row_prices = self.model.learned_prices.probed  # what a learner read does not move its drafts
-        slot = self.free.pop(0)
+        slot = self.free.pop(0)  # the least recently freed
         self.cache.lengths[slot] = 0
-        self.entries[key] = _Entry(key, seq, slot)
-        if not seq.prefill_ids:  # a one-token prompt: nothing to prefill
+        if self.prompt_cache is not None and self.model.cache is self.cache:
+            self.cache.lengths[slot] = self.prompt_cache.load(self.cache, slot, seq.prefill_ids, regime(self.model),
+                                                              PREFILL_CHUNK)
+            seq.stats.cached_tokens = self.cache.lengths[slot]
+        self._arrivals += 1
+        self.entries[key] = _Entry(key, seq, slot, filled=self.cache.lengths[slot], order=self._arrivals)
+        if self.entries[key].prefilled:  # nothing (left) to prefill
             seq.prefilled()
         return seq
 
-    def remove(self, key: Hashable) -> None:
-        """Drop a sequence (cancelled) and free its slot; nothing happens for an unknown key."""
+    def remove(self, key: Hashable, keep: bool = True) -> None:
+        """Drop a sequence (cancelled) and free its slot; nothing happens for an unknown key.
+        `keep`: its committed positions go to the prompt cache (not after a failure)."""
         entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.free.append(entry.slot)
+        if entry is None:
+            return
+        if keep and self.prompt_cache is not None and self.model.cache is self.cache:
+            ids = entry.seq.prefill_ids[:entry.filled] + entry.decoded
+            if len(ids) == self.cache.lengths[entry.slot]:
+                self.prompt_cache.save(self.cache, entry.slot, ids, entry.filled // PREFILL_CHUNK * PREFILL_CHUNK,
+                                       regime(self.model))
+        self.free.append(entry.slot)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[tuple[Hashable, Chunk | Result | Exception]]:
@@ -169,6 +199,7 @@ class BatchDecoder:
                     kept, chunk = entry.seq.accept(logits[base:end], best[base:end],
                                                    top[base:end] if top is not None else None)
                     self.cache.commit(entry.slot, [base + r for r in kept], rows)
+                    entry.decoded += [toks[r] for r in kept]
                 except Exception as e:
                     out.append(self._fail(entry, e))
                     continue
@@ -209,7 +240,7 @@ class BatchDecoder:
                     entry.seq.row_prices = prices
 
     def _fail(self, entry: _Entry, error: Exception) -> tuple[Hashable, Exception]:
-        self.remove(entry.key)
+        self.remove(entry.key, keep=False)
         return entry.key, error
 
     def _finish(self, entry: _Entry) -> tuple[Hashable, Result]:
@@ -278,27 +309,33 @@ class BatchDecoder:
         return [c for c in calls if c]
 
     def _prefill(self, out: list) -> None:
-        """This step's prefill work: copy prompts already in a slot, then up to
-        prefill_budget tokens of the waiting prompts (None: all of them), oldest first."""
-        budget = self.prefill_budget
-        for entry in list(self.entries.values()):
-            if entry.prefilled:
-                continue
+        """This step's prefill work: copy prompts already in a slot, then whole chunks of the
+        waiting prompts while they fit `prefill_budget` tokens (None: all of them; the step's
+        first chunk always runs). The prompt with the fewest tokens left goes first (the
+        others' first tokens wait least), unless one has waited PREFILL_PATIENCE steps."""
+        waiting = [e for e in list(self.entries.values())
+                   if not e.prefilled and not self._copy_prompt(e, e.seq.prefill_ids)]
+        waiting.sort(key=lambda e: (e.passed < PREFILL_PATIENCE, len(e.seq.prefill_ids) - e.filled, e.order))
+        spent, budget, served = 0, self.prefill_budget, set()
+        for entry in waiting:
             ids = entry.seq.prefill_ids
-            if entry.filled == 0 and self._copy_prompt(entry, ids):
-                continue
-            if budget is not None and budget <= 0:
-                continue
-            before = entry.filled
-            try:
-                entry.filled = prefill(self.model, entry.slot, ids, entry.filled, budget)
-            except Exception as e:
-                out.append(self._fail(entry, e))
-                continue
-            if budget is not None:
-                budget -= entry.filled - before
+            while not entry.prefilled:
+                end = chunk_end(entry.filled, len(ids))
+                if budget is not None and spent and spent + end - entry.filled > budget:
+                    break
+                try:
+                    prefill(self.model, entry.slot, ids, entry.filled, end - entry.filled)
+                except Exception as e:
+                    out.append(self._fail(entry, e))
+                    break
+                spent += end - entry.filled
+                entry.filled = end
+                served.add(entry.key)
             if entry.prefilled:
                 entry.seq.prefilled()
+        for entry in waiting:
+            if entry.key not in served and entry.key in self.entries and spent:
+                entry.passed += 1
 
     def _copy_prompt(self, entry: _Entry, ids: list[int]) -> bool:
         """Fill `entry`'s slot from a sequence whose cache starts with the same prompt.
@@ -306,7 +343,8 @@ class BatchDecoder:
         Its first len(ids) positions are committed and never change, and a prefill is the
         same computation in every slot, so the copy is exactly what prefilling would give."""
         for other in self.entries.values():
-            if other is entry or not other.prefilled or other.seq.prefill_ids != ids:
+            if other is entry or not other.prefilled or len(other.seq.prefill_ids) != len(ids) or \
+                    other.seq.prefill_ids != ids:
                 continue
             n = len(ids)
             self.cache.k[:, entry.slot, :, :n] = self.cache.k[:, other.slot, :, :n]

@@ -28,6 +28,7 @@ from quasar.speculative.sampling import make_generator, probs_from_logits
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prompt cache, not a prefill
     new_tokens: int = 0  # output tokens (EOS and anything past a stop excluded)
     steps: int = 0  # verifier forwards after prefill
     emitted: int = 0  # tokens the verifier steps emitted, EOS and tokens past a stop included
@@ -41,7 +42,7 @@ class Stats:
     @classmethod
     def combined(cls, parts: list["Stats"]) -> "Stats":
         """The stats of several decodes of one prompt, one after another (the prompt counted once)."""
-        total = cls(prompt_tokens=parts[0].prompt_tokens)
+        total = cls(prompt_tokens=parts[0].prompt_tokens, cached_tokens=parts[0].cached_tokens)
         for p in parts:
             for name in ("new_tokens", "steps", "emitted", "drafted", "accepted", "prefill_s", "decode_s", "wall_s"):
                 setattr(total, name, getattr(total, name) + getattr(p, name))
@@ -61,6 +62,7 @@ class Stats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "steps": self.steps,
             "mean_accepted": round(self.mean_accepted, 4),

@@ -134,6 +134,23 @@ def test_models_health_and_playground(main):
     assert status == 200 and headers["content-type"].startswith("text/html") and b"tok-draft" in body
 
 
+def test_a_chats_next_turn_starts_from_the_prompt_cache(main, llm):
+    """The next turn of a chat starts from the K/V its first turn left in the prompt cache
+    (usage.prompt_tokens_details.cached_tokens: on this float verifier, the first turn's
+    whole 128-token prefill chunks), and its reply is the one a fresh decode gives."""
+    c = client(main)
+    story = [{"role": "user", "content": "Summarize: " + "The fox ran into the woods and the hounds went after it. " * 14}]
+    n = len(llm.encode(story))
+    assert 128 < n < 384
+    one = c.chat.completions.create(model="tiny", messages=story, max_tokens=8, temperature=0)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    turn = story + [{"role": "assistant", "content": one.choices[0].message.content},
+                    {"role": "user", "content": "Shorter, please."}]
+    two = c.chat.completions.create(model="tiny", messages=turn, max_tokens=8, temperature=0)
+    assert two.usage.prompt_tokens_details.cached_tokens == (n - 1) // 128 * 128
+    assert two.choices[0].message.content == llm.generate(turn, max_new_tokens=8, drafter="ngram", verifier="fp").text
+
+
 def test_chat_matches_the_python_api(main, llm):
     c = client(main)
     resp = c.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
@@ -379,7 +396,8 @@ def test_metrics_are_prometheus_text(main):
     assert re.search(r'^quasar_acceptance_length_bucket\{drafter="ngram",verifier="fp",le="\+Inf"\} [1-9]',
                      text, re.M)
     assert re.search(r'^quasar_request_duration_seconds_count\{endpoint="/v1/chat/completions"\} [1-9]', text, re.M)
-    for name in ("quasar_completion_tokens_total", "quasar_prompt_tokens_total", "quasar_requests_waiting",
+    for name in ("quasar_completion_tokens_total", "quasar_prompt_tokens_total", "quasar_prompt_cached_tokens_total",
+                 "quasar_requests_waiting",
                  "quasar_requests_cancelled_total", "quasar_time_to_first_token_seconds_count"):
         assert re.search(rf"^{name} ", text, re.M), name
 
