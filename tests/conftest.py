@@ -143,6 +143,24 @@ def llm(model_dir):
 
 
 @contextlib.contextmanager
+def tiny_w8a8_llm(out: Path, tokenizer_dir: Path, seed: int, max_batch: int):
+    """A W8A8 LLM (2 threads, a small calibration) over a tiny random Qwen3-shaped model with
+    `tokenizer_dir`'s tokenizer; torch's thread count is put back afterwards."""
+    from quasar.api import LLM
+    from quasar.quant.options import QuantOptions
+
+    threads = torch.get_num_threads()
+    model_dir = make_tiny_model(out, "qwen3", tokenizer_dir, seed)
+    llm = LLM(str(model_dir), verifier="w8a8", max_context=1024, threads=2, max_batch=max_batch,
+              quant=QuantOptions(samples=2, seq_len=48))
+    llm.prepare()
+    try:
+        yield llm
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def swapped(obj, name: str, value):
     """`obj.name` set to `value` inside the block, then put back (a test's temporary change)."""
     old = getattr(obj, name)

@@ -14,11 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from conftest import make_tiny_model, swapped
-from quasar.api import LLM
-from quasar.quant.options import QuantOptions
+from conftest import swapped, tiny_w8a8_llm
 from quasar.speculative.batch import PREFILL_CHUNK, BatchDecoder
 from quasar.speculative.drafters import DraftTree
 from quasar.speculative.generate import Chunk, Result, Sequence
@@ -30,13 +27,8 @@ SAMPLING = dict(temperature=0.9, top_p=0.95, seed=7)
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, default_model_dir):
-    threads = torch.get_num_threads()
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("batch") / "tiny", "qwen3", default_model_dir, 1)
-    llm = LLM(str(model_dir), verifier="w8a8", max_context=1024, threads=2, max_batch=4,
-              quant=QuantOptions(samples=2, seq_len=48))
-    llm.prepare()
-    yield llm
-    torch.set_num_threads(threads)
+    with tiny_w8a8_llm(tmp_path_factory.mktemp("batch") / "tiny", default_model_dir, seed=1, max_batch=4) as llm:
+        yield llm
 
 
 @pytest.fixture

@@ -11,9 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_model
-from quasar.api import LLM
-from quasar.quant.options import QuantOptions
+from conftest import tiny_w8a8_llm
 from quasar.speculative.batch import PREFILL_CHUNK, PREFILL_PATIENCE, BatchDecoder, prefill
 from quasar.speculative.generate import Chunk, Result
 from quasar.speculative.prompt_cache import PromptCache, regime
@@ -23,13 +21,8 @@ TEXT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. "
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, default_model_dir):
-    threads = torch.get_num_threads()
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("pcache") / "tiny", "qwen3", default_model_dir, 3)
-    llm = LLM(str(model_dir), verifier="w8a8", max_context=1024, threads=2, max_batch=3,
-              quant=QuantOptions(samples=2, seq_len=48))
-    llm.prepare()
-    yield llm
-    torch.set_num_threads(threads)
+    with tiny_w8a8_llm(tmp_path_factory.mktemp("pcache") / "tiny", default_model_dir, seed=3, max_batch=3) as llm:
+        yield llm
 
 
 def ids_of(llm, n_tokens: int, tail: str = "") -> list[int]:
