@@ -41,6 +41,7 @@ class RequestResult:
     counted_by: str  # "usage" (the server's count) or "chunks"
     finish_reason: str | None
     prompt_tokens: int | None
+    cached_tokens: int | None  # prompt tokens the server reused from its prompt cache, where it says
     ttft_s: float | None
     decode_s: float | None
     total_s: float
@@ -97,6 +98,7 @@ def stream_request(client, model: str, prompt: ServingPrompt, max_tokens: int, p
     return RequestResult(
         id=prompt.id, task=prompt.task, completion_tokens=tokens, counted_by="usage" if usage else "chunks",
         finish_reason=finish, prompt_tokens=getattr(usage, "prompt_tokens", None),
+        cached_tokens=getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None),
         ttft_s=None if first is None else first - sent, decode_s=decode_s, total_s=done - sent,
         decode_tokens_per_s=rate, sent_at_s=sent - phase_t0)
 
@@ -129,6 +131,8 @@ def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> 
         "concurrency": concurrency,
         "requests": len(results),
         "completion_tokens": tokens,
+        "prompt_tokens": _total([r.prompt_tokens for r in results]),
+        "cached_tokens": _total([r.cached_tokens for r in results]),
         "wall_s": round(wall_s, 3),
         "aggregate_tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
         "median_decode_tokens_per_s": _round(_median([r.decode_tokens_per_s for r in results])),
@@ -146,6 +150,12 @@ def _pooled_rate(results: list[RequestResult]) -> float | None:
     timed = [r for r in results if r.decode_s and r.completion_tokens > 1]
     total_s = sum(r.decode_s for r in timed)
     return _round(sum(r.completion_tokens - 1 for r in timed) / total_s) if total_s > 0 else None
+
+
+def _total(values: list) -> int | None:
+    """The sum of the counts the server gave (None when it gave none)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def _round(v: float | None, digits: int = 3) -> float | None:

@@ -50,6 +50,9 @@ def _check_phases(rec: dict, concurrency: tuple[int, ...], n_prompts: int) -> No
                 assert r["finish_reason"] == "stop" and 1 <= r["completion_tokens"] <= MAX_TOKENS
             assert r["ttft_s"] > 0 and r["total_s"] >= r["ttft_s"]
         assert ph["completion_tokens"] == sum(r["completion_tokens"] for r in ph["per_request"])
+        if ph["cached_tokens"] is not None:  # the server reports prompt-cache reuse
+            assert 0 <= ph["cached_tokens"] == sum(r["cached_tokens"] or 0 for r in ph["per_request"])
+            assert ph["cached_tokens"] <= ph["prompt_tokens"]
         assert ph["aggregate_tokens_per_s"] == pytest.approx(ph["completion_tokens"] / ph["wall_s"], rel=1e-2)
         assert ph["median_ttft_s"] > 0 and ph["median_decode_tokens_per_s"] > 0
     assert [p["concurrency"] for p in rec["processes"]] == list(concurrency)  # a fresh server per phase
@@ -71,6 +74,7 @@ def test_quasar_serve_through_the_protocol(tmp_path):
     _check_phases(rec, (1, 2), 2)
     assert rec["kind"] == "quasar" and rec["flags"] == list(FP) and "quasar serve" in rec["command"]
     assert {r["task"] for r in rec["phases"]["1"]["per_request"]} == {"code", "qa"}
+    assert rec["phases"]["1"]["cached_tokens"] is not None  # ours reports its prompt cache
     md = paths["markdown"].read_text()
     assert on_disk["environment"]["cpu"] in md and "| quasar serve |" in md and "c=2" in md
     assert on_disk["sweep"] is None and on_disk["config"]["concurrency"] == [1, 2]
