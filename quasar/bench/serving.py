@@ -2,10 +2,15 @@
 
 Each server is started by the bench as a subprocess on a loopback port (serving_servers),
 sent the bench's own prompts, streamed and greedy (temperature 0) with a fixed max_tokens,
-at each concurrency (serving_client), and stopped. Each concurrency gets a freshly started
-server with one warm-up request first (a prompt outside the timed set): a server must not
-find the timed prompts, or what it generated for them, already in its caches — llama-server
-keeps prompt caches, and its ngram-mod draft table is shared by all requests of a process.
+at each concurrency (serving_client), and stopped. Each phase gets a freshly started server
+with one warm-up request first (a prompt outside the timed set): a server must not find the
+timed prompts, or what it generated for them, in its caches from an earlier phase (both
+servers keep prompt caches, and llama-server's ngram-mod draft table is shared by all requests
+of a process).
+
+The servers take turns: for each concurrency, each server's phase, one after the other, so a
+host whose speed drifts over minutes moves them alike; with `rounds` > 1 the order reverses
+every other round and each server's requests of a concurrency are pooled over the rounds.
 
 Servers: `quasar serve` with its defaults; llama-server plain, with `--spec-default`, and
 with the n-gram configuration that decoded fastest in a short sweep (NGRAM_GRID at
@@ -28,7 +33,7 @@ from quasar import __version__
 from quasar.bench.bandwidth import measure_read_bandwidth
 from quasar.bench.engine import Unavailable
 from quasar.bench.runner import describe_cpu, gguf_source
-from quasar.bench.serving_client import ServingPrompt, make_client, run_phase, stream_request
+from quasar.bench.serving_client import ServingPrompt, make_client, pool_phases, run_phase, stream_request
 from quasar.bench.serving_servers import (check_llama_server, llama_server_version, llama_spec, quasar_spec,
                                           sigterm_as_interrupt, start_server)
 from quasar.bench.tasks import task_prompts
@@ -73,6 +78,7 @@ class ServingConfig:
     max_tokens: int = 128
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     servers: tuple[str, ...] = SERVER_NAMES
+    rounds: int = 1  # phases per server and concurrency, taken in turns (see the module doc)
     sweep_prompts: int = 3
     sweep_grid: tuple[tuple[str, tuple[str, ...]], ...] = NGRAM_GRID
     llama_server: str | None = None  # default: serving_servers.default_llama_server()
@@ -93,6 +99,7 @@ class ServingConfig:
                                        for c in self.concurrency):
             raise QuasarError(f"--concurrency must be integers >= 1, got {self.concurrency!r}")
         for name, value in (("--max-new-tokens", self.max_tokens), ("sweep prompts", self.sweep_prompts),
+                            ("--rounds", self.rounds),
                             ("--threads", self.threads or 1), ("--n", self.n or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise QuasarError(f"{name} must be an integer >= 1, got {value!r}")
@@ -129,34 +136,60 @@ def serving_prompts(cfg: ServingConfig) -> list[ServingPrompt]:
     return out
 
 
+def new_record(spec) -> dict:
+    """A server's record before its phases."""
+    return {"label": spec.name, "kind": spec.kind, "flags": list(spec.flags), "status": "ok",
+            "command": spec.command_line(), "processes": [], "phases": {}}
+
+
+def time_phase(spec, record: dict, prompts: list[ServingPrompt], cfg: ServingConfig, log_path: Path,
+               concurrency: int) -> dict | None:
+    """One phase: a fresh server, a warm-up request, the prompts at `concurrency`, the server
+    stopped (also on errors and Ctrl-C). Returns the phase, or None with `record`'s status
+    saying why the server could not run it."""
+    try:
+        server = start_server(spec, log_path, cfg.ready_timeout_s)
+    except Unavailable as e:
+        record["status"] = f"unavailable: {e}"
+        return None
+    record["processes"].append({"concurrency": concurrency, "pid": server.proc.pid, "port": server.port,
+                                "startup_s": round(server.startup_s, 2)})
+    try:
+        if cfg.warmup:
+            stream_request(make_client(server.base_url), server.model_id, WARMUP,
+                           min(cfg.warmup_tokens, cfg.max_tokens), time.perf_counter())
+        phase = run_phase(server.base_url, server.model_id, prompts, cfg.max_tokens, concurrency)
+        record["model_id"] = server.model_id
+        return phase
+    except QuasarError:
+        raise
+    except Exception as e:  # a peer's failure is its row's result, not the end of the bench
+        record["status"] = f"failed at concurrency {concurrency}: {type(e).__name__}: {e} (log: {server.log_path})"
+        return None
+    finally:
+        server.stop()
+
+
 def time_server(spec, prompts: list[ServingPrompt], cfg: ServingConfig, log_dir: Path,
                 concurrency: tuple[int, ...]) -> dict:
-    """A server through every concurrency: a fresh process per phase, a warm-up request,
-    the phase, then the process stopped (also on errors and Ctrl-C)."""
-    record = {"label": spec.name, "kind": spec.kind, "flags": list(spec.flags), "status": "ok",
-              "command": spec.command_line(), "processes": [], "phases": {}}
+    """A server through every concurrency, one phase each (`time_phase`)."""
+    record = new_record(spec)
     for c in concurrency:
-        try:
-            server = start_server(spec, log_dir / f"{_slug(spec.name)}-c{c}.log", cfg.ready_timeout_s)
-        except Unavailable as e:
-            record["status"] = f"unavailable: {e}"
-            return record
-        record["processes"].append({"concurrency": c, "pid": server.proc.pid, "port": server.port,
-                                    "startup_s": round(server.startup_s, 2)})
-        try:
-            if cfg.warmup:
-                stream_request(make_client(server.base_url), server.model_id, WARMUP,
-                               min(cfg.warmup_tokens, cfg.max_tokens), time.perf_counter())
-            record["phases"][str(c)] = run_phase(server.base_url, server.model_id, prompts, cfg.max_tokens, c)
-            record["model_id"] = server.model_id
-        except QuasarError:
-            raise
-        except Exception as e:  # a peer's failure is its row's result, not the end of the bench
-            record["status"] = f"failed at concurrency {c}: {type(e).__name__}: {e} (log: {server.log_path})"
-            return record
-        finally:
-            server.stop()
+        phase = time_phase(spec, record, prompts, cfg, log_dir / f"{_slug(spec.name)}-c{c}.log", c)
+        if phase is None:
+            break
+        record["phases"][str(c)] = phase
     return record
+
+
+def turns(names: list[str], concurrency: tuple[int, ...], rounds: int) -> list[tuple[int, int, str]]:
+    """(round, concurrency, server) in the order the phases run: each concurrency's phases
+    one server after the other, the servers' order reversed every other round."""
+    out = []
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        out += [(r, c, name) for c in concurrency for name in order]
+    return out
 
 
 def sweep_ngram(cfg: ServingConfig, prompts: list[ServingPrompt], make_spec, log_dir: Path) -> dict:
@@ -206,8 +239,9 @@ def _llama_maker(cfg: ServingConfig, threads: int, gguf: Path | None, binary: Pa
 
 def _run_servers(cfg: ServingConfig, prompts: list[ServingPrompt], threads: int, make_llama, why_not: str,
                  log_dir: Path) -> tuple[dict, dict | None]:
-    """Every asked-for server through every phase, in order: ({name: record}, the sweep)."""
-    servers, sweep = {}, None
+    """Every asked-for server through every phase, taking turns (`turns`; the n-gram sweep
+    first): ({name: record}, the sweep)."""
+    specs, servers, sweep = {}, {}, None
     for name in cfg.servers:
         if name == "quasar":
             spec = quasar_spec(cfg.model, threads, cfg.quasar_args)
@@ -224,8 +258,21 @@ def _run_servers(cfg: ServingConfig, prompts: list[ServingPrompt], threads: int,
         else:
             spec = make_llama("llama-server" + (" --spec-default" if name.endswith("spec-default") else ""),
                               ("--spec-default",) if name.endswith("spec-default") else ())
-        servers[name] = time_server(spec, prompts, cfg, log_dir, cfg.concurrency)
-    return servers, sweep
+        specs[name], servers[name] = spec, new_record(spec)
+    rounds: dict[str, dict[str, list]] = {name: {} for name in specs}
+    for r, c, name in turns(list(specs), cfg.concurrency, cfg.rounds):
+        record = servers[name]
+        if record["status"] != "ok":
+            continue
+        log = log_dir / f"{_slug(record['label'])}-c{c}{f'-r{r + 1}' if r else ''}.log"
+        phase = time_phase(specs[name], record, prompts, cfg, log, c)
+        if phase is not None:
+            rounds[name].setdefault(str(c), []).append(phase)
+    for name, phases in rounds.items():
+        servers[name]["phases"] = {c: pool_phases(ps) for c, ps in phases.items()}
+        if cfg.rounds > 1:
+            servers[name]["rounds"] = phases
+    return {name: servers[name] for name in cfg.servers}, sweep
 
 
 def run_serving(cfg: ServingConfig) -> dict:
@@ -255,7 +302,8 @@ def run_serving(cfg: ServingConfig) -> dict:
         "config": {"model": cfg.model, "gguf": str(gguf) if gguf else None, "threads": threads,
                    "prompts": len(prompts), "tasks": list(dict.fromkeys(p.task for p in prompts)),
                    "prompts_file": cfg.prompts_file, "max_tokens": cfg.max_tokens,
-                   "concurrency": list(cfg.concurrency), "temperature": 0, "stream": True, "warmup": cfg.warmup,
+                   "concurrency": list(cfg.concurrency), "rounds": cfg.rounds, "temperature": 0, "stream": True,
+                   "warmup": cfg.warmup,
                    "slot_context": cfg.slot_context, "quasar_args": list(cfg.quasar_args)},
         "environment": _environment(cfg, threads, binary),
         "servers": servers,

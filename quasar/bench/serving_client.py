@@ -126,30 +126,46 @@ def run_phase(base_url: str, model: str, prompts: list[ServingPrompt], max_token
 
 
 def summarize(results: list[RequestResult], wall_s: float, concurrency: int) -> dict:
-    tokens = sum(r.completion_tokens for r in results)
-    return {
+    return _summary([_rounded(asdict(r)) for r in results], wall_s, concurrency)
+
+
+def pool_phases(phases: list[dict]) -> dict:
+    """Several rounds of one server's phase at one concurrency as one phase: their requests
+    together, over their summed wall time."""
+    if len(phases) == 1:
+        return phases[0]
+    return _summary([r for p in phases for r in p["per_request"]], sum(p["wall_s"] for p in phases),
+                    phases[0]["concurrency"], rounds=len(phases))
+
+
+def _summary(requests: list[dict], wall_s: float, concurrency: int, rounds: int = 1) -> dict:
+    tokens = sum(r["completion_tokens"] for r in requests)
+    out = {
         "concurrency": concurrency,
-        "requests": len(results),
+        "requests": len(requests),
         "completion_tokens": tokens,
-        "prompt_tokens": _total([r.prompt_tokens for r in results]),
-        "cached_tokens": _total([r.cached_tokens for r in results]),
+        "prompt_tokens": _total([r["prompt_tokens"] for r in requests]),
+        "cached_tokens": _total([r["cached_tokens"] for r in requests]),
         "wall_s": round(wall_s, 3),
         "aggregate_tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
-        "median_decode_tokens_per_s": _round(_median([r.decode_tokens_per_s for r in results])),
-        "median_ttft_s": _round(_median([r.ttft_s for r in results]), 4),
-        "pooled_decode_tokens_per_s": _pooled_rate(results),
-        "finish_reasons": dict(Counter(str(r.finish_reason) for r in results)),
-        "counted_by": sorted({r.counted_by for r in results}),
-        "per_request": [_rounded(asdict(r)) for r in results],
+        "median_decode_tokens_per_s": _round(_median([r["decode_tokens_per_s"] for r in requests])),
+        "median_ttft_s": _round(_median([r["ttft_s"] for r in requests]), 4),
+        "pooled_decode_tokens_per_s": _pooled_rate(requests),
+        "finish_reasons": dict(Counter(str(r["finish_reason"]) for r in requests)),
+        "counted_by": sorted({r["counted_by"] for r in requests}),
+        "per_request": requests,
     }
+    if rounds > 1:
+        out["rounds"] = rounds
+    return out
 
 
-def _pooled_rate(results: list[RequestResult]) -> float | None:
+def _pooled_rate(requests: list[dict]) -> float | None:
     """Σ (tokens − 1) ÷ Σ decode time over the requests that decoded: the sweep's pick, less
     swayed than a median of a few prompts by one prompt's luck."""
-    timed = [r for r in results if r.decode_s and r.completion_tokens > 1]
-    total_s = sum(r.decode_s for r in timed)
-    return _round(sum(r.completion_tokens - 1 for r in timed) / total_s) if total_s > 0 else None
+    timed = [r for r in requests if r["decode_s"] and r["completion_tokens"] > 1]
+    total_s = sum(r["decode_s"] for r in timed)
+    return _round(sum(r["completion_tokens"] - 1 for r in timed) / total_s) if total_s > 0 else None
 
 
 def _total(values: list) -> int | None:

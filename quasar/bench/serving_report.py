@@ -65,7 +65,8 @@ def render_markdown(results: dict) -> str:
         + (f"; llama-server {env['llama_server_version']}" if env.get("llama_server_version") else ""),
         f"- {cfg['prompts']} prompts ({', '.join(cfg['tasks'])}), max_tokens {cfg['max_tokens']}, greedy "
         f"(temperature 0), streamed through the OpenAI API; concurrency {', '.join(map(str, cfg['concurrency']))}, "
-        "a fresh server and a warm-up request per concurrency",
+        "a fresh server and a warm-up request per phase, the servers' phases in turn"
+        + (f", {cfg['rounds']} rounds (order reversed each round, requests pooled)" if cfg.get("rounds", 1) > 1 else ""),
         "- decode tok/s: per request, tokens after the first ÷ time after the first token; aggregate: all "
         "tokens ÷ wall time; TTFT: time to the first token",
         "",

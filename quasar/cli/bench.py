@@ -99,6 +99,9 @@ def _add_serving_args(p) -> None:
     p.add_argument("--servers", default=",".join(SERVER_NAMES),
                    type=lambda v: _names(v, SERVER_NAMES, "server", False),
                    help=f"serving: which servers, from {','.join(SERVER_NAMES)} (default: all)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="serving: phases per server and concurrency; the servers take turns in each round, in "
+                        "reverse order every other round, and their requests are pooled (default 1)")
     p.add_argument("--llama-server", metavar="FILE", default=None,
                    help="serving: the llama-server binary (default: the one scripts/setup/install_llamacpp.sh puts "
                         "in the virtualenv's bin folder)")

@@ -24,6 +24,7 @@ def _run_serving(args) -> int:
     cfg = ServingConfig(
         model=args.model, gguf=args.gguf, threads=args.threads, tasks=args.tasks, prompts_file=args.prompts,
         n=args.n, max_tokens=args.max_new_tokens, concurrency=tuple(args.concurrency), servers=tuple(args.servers),
+        rounds=args.rounds,
         llama_server=args.llama_server, quasar_args=tuple(shlex.split(args.quasar_serve_args)),
         warmup=args.warmup, bandwidth_bytes=int(args.bandwidth_gb * 2**30), out=args.out, command=_command(),
     )

@@ -16,7 +16,10 @@ import pytest
 pytest.importorskip("openai")
 
 from quasar.bench.engine import Unavailable  # noqa: E402
-from quasar.bench.serving import NGRAM_GRID, ServingConfig, ServingPrompt, run_serving, time_server  # noqa: E402
+from quasar.bench.serving import (NGRAM_GRID, ServingConfig, ServingPrompt, run_serving, time_server,  # noqa: E402
+                                  turns)
+from quasar.bench.serving_client import RequestResult, pool_phases, summarize  # noqa: E402
+from quasar.errors import QuasarError  # noqa: E402
 from quasar.bench.serving_report import SERVING_JSON, SERVING_MD, write_serving  # noqa: E402
 from quasar.bench.serving_servers import (check_llama_server, default_llama_server, port_open,  # noqa: E402
                                           quasar_spec)
@@ -112,6 +115,30 @@ def test_a_server_that_dies_while_starting_is_unavailable_with_its_log(tmp_path)
     results = run_serving(_config(tmp_path, servers=("llama-server",), llama_server=str(fake), concurrency=(1,)))
     status = results["servers"]["llama-server"]["status"]
     assert "exited with status 3" in status and "cannot load the model file" in status
+
+
+def test_servers_take_turns_and_rounds_pool_their_requests():
+    """Each concurrency's phases run server after server, the order reversed every other
+    round; a server's rounds of a phase pool into one (tokens over summed wall time, medians
+    over all requests)."""
+    assert turns(["q", "l"], (1, 4), 2) == [(0, 1, "q"), (0, 1, "l"), (0, 4, "q"), (0, 4, "l"),
+                                            (1, 1, "l"), (1, 1, "q"), (1, 4, "l"), (1, 4, "q")]
+
+    def request(rate: float, ttft: float, cached: int | None) -> RequestResult:
+        return RequestResult("p", "qa", 11, "usage", "length", 50, cached, ttft, 10 / rate, ttft + 10 / rate, rate, 0.0)
+
+    one = summarize([request(10.0, 0.5, 0), request(20.0, 1.0, 30)], 3.0, 4)
+    two = summarize([request(30.0, 2.0, 40)], 1.0, 4)
+    pooled = pool_phases([one, two])
+    assert pooled["requests"] == 3 and pooled["completion_tokens"] == 33 and pooled["wall_s"] == 4.0
+    assert pooled["aggregate_tokens_per_s"] == pytest.approx(33 / 4.0)
+    assert pooled["median_decode_tokens_per_s"] == 20.0 and pooled["median_ttft_s"] == 1.0
+    assert pooled["cached_tokens"] == 70 and pooled["prompt_tokens"] == 150 and pooled["rounds"] == 2
+    assert pooled["pooled_decode_tokens_per_s"] == pytest.approx(30 / (1.0 + 0.5 + 10 / 30), abs=2e-3)
+    assert pool_phases([one]) is one
+    assert summarize([request(10.0, 0.5, None)], 1.0, 1)["cached_tokens"] is None  # a server that says nothing
+    with pytest.raises(QuasarError, match="--rounds"):
+        ServingConfig(rounds=0).validate()
 
 
 def test_cli_writes_serving_outputs(tmp_path):
