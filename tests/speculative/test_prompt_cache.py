@@ -3,7 +3,8 @@
 A later prompt that starts with a finished sequence's tokens gets their K/V from the cache:
 bit for bit what prefilling it writes, so its output is the output it gets without the cache.
 On the fused W8A8 step (rows computed one by one) the whole shared prefix is reused, the
-earlier reply included; on a float verifier only whole prefill chunks of the prompt.
+earlier reply included; on a float verifier (and without the fused step) only whole
+prefill chunks of the prompt.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from conftest import tiny_w8a8_llm
+from quasar.kernels import ext
 from quasar.speculative.batch import PREFILL_CHUNK, PREFILL_PATIENCE, BatchDecoder, prefill
 from quasar.speculative.generate import Chunk, Result
 from quasar.speculative.prompt_cache import PromptCache, regime
@@ -68,7 +70,10 @@ def test_a_later_prompt_reuses_the_kept_prefix_bit_for_bit(llm, verifier):
     first = ids_of(llm, PREFILL_CHUNK + 40)
     with llm.lock:
         exact, _ = regime(model)
-        assert exact == (verifier == "w8a8")
+        if verifier == "fp":
+            assert not exact  # float GEMMs round by row count
+        else:  # rows computed alone wherever the fused step runs without AMX prefill tiles
+            assert exact or ext.decoder_layer_op() is None or ext.amx_attention_supported()
         reply, _ = run(llm, decoder(llm, verifier, [0], cache), {"one": first}, plan)["one"]
         second = first + reply + llm.encode(" And then what happened to the fox?", raw=True)
         batch = decoder(llm, verifier, [1], cache)
@@ -95,12 +100,13 @@ def test_a_later_prompt_reuses_the_kept_prefix_bit_for_bit(llm, verifier):
 def test_the_server_batches_reuse_the_cache_and_count_it(llm):
     """LLM.generate_batch (the server's decoders) reuse kept prompts and report them in the
     stats; the tokens are those of a plain decode, greedy and seeded alike."""
-    first = ids_of(llm, 70)
+    first = ids_of(llm, PREFILL_CHUNK + 30)
     second = first + llm.encode(" Tell me more.", raw=True)
+    exact, _ = regime(llm.verifier_model("w8a8"))
     for options in (dict(temperature=0), dict(temperature=0.8, seed=3)):
         one = llm.engine.decode_batch(llm.check_options(max_new_tokens=12, **options), [first])[0]
         two = llm.engine.decode_batch(llm.check_options(max_new_tokens=12, **options), [second])[0]
-        assert two.stats.cached_tokens >= len(first) - 1
+        assert two.stats.cached_tokens >= len(first) - 1 if exact else two.stats.cached_tokens == PREFILL_CHUNK
         alone = llm.generate(prompt_ids=second, max_new_tokens=12, **options)
         assert two.token_ids == alone.token_ids
         assert one.token_ids == llm.generate(prompt_ids=first, max_new_tokens=12, **options).token_ids
@@ -108,7 +114,7 @@ def test_the_server_batches_reuse_the_cache_and_count_it(llm):
 
 def test_the_cache_keeps_within_its_bytes_least_recently_used_first(llm):
     model = llm.verifier_model("w8a8")
-    rule = regime(model)
+    rule = (True, "a test's exact regime")  # whatever this CPU's is: records keep every token
     with llm.lock:
         a, b, c = ids_of(llm, 40, " alpha"), ids_of(llm, 10, " beta gamma"), [7] * 30
         per_token = 2 * model.cache.k[:, 0, :, :1].numel() * model.cache.k.element_size()
