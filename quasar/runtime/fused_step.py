@@ -89,12 +89,7 @@ class FusedW8A8Step:
         # The op runs up to MAX_ROWS rows: chains or trees, in one or more cache slots.
         if len(rows) > MAX_ROWS:
             return None
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1:
-            return None
-        if self._plan is None or not self._unchanged():
-            if not self._build():
-                return None
-        if cache.k.dtype != torch.float32 and not (cache.k.dtype == torch.bfloat16 and self._bf16):
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1 or not self._runs_on(cache):
             return None
         cfg, p = self.model.config, self._plan
         if self.model.step_costs is not None:  # this model's measured prefetch choices
@@ -120,18 +115,20 @@ class FusedW8A8Step:
         row or a one-token step ran it): what its bits depend on besides the tokens (the
         kernel paths, the plan). None when it declines this model or cache, or may prefill
         with AMX tiles (not row by row)."""
-        if self._plan is None or not self._unchanged():
-            if not self._build():
-                return None
         embed = self.model.model.embed_tokens.weight
-        if embed.dtype != torch.float32 or embed.device.type != "cpu" or cache is None:
+        if embed.dtype != torch.float32 or embed.device.type != "cpu" or cache is None or not self._runs_on(cache):
             return None
-        if cache.k.dtype == torch.bfloat16:
-            if not self._bf16 or ext.amx_attention_supported():
-                return None
-        elif cache.k.dtype != torch.float32:
+        if cache.k.dtype == torch.bfloat16 and ext.amx_attention_supported():
             return None
         return ext.kernel_path(), ext.w4a8_kernel_path(), self._builds
+
+    def _runs_on(self, cache) -> bool:
+        """Whether the op's plan is built (again, if anything it holds was replaced) and it
+        attends over `cache`'s dtype."""
+        if self._plan is None or not self._unchanged():
+            if not self._build():
+                return False
+        return cache.k.dtype == torch.float32 or (cache.k.dtype == torch.bfloat16 and self._bf16)
 
     def _unchanged(self) -> bool:
         """Every watched object is still in place: ~1,500 identity checks at 30 layers, run

@@ -73,7 +73,6 @@ class _Entry:
     seq: Sequence
     slot: int
     filled: int = 0  # prefill tokens in the cache so far
-    order: int = 0  # arrival
     passed: int = 0  # steps that prefilled others while this prompt waited
     decoded: list[int] = field(default_factory=list)  # ids its steps committed after the prompt
 
@@ -106,7 +105,6 @@ class BatchDecoder:
         self.entries: dict[Hashable, _Entry] = {}  # in arrival order
         self.float_gemms = any(type(m) is nn.Linear for m in model.modules())
         self.prompt_cache = prompt_cache
-        self._arrivals = 0
 
     # ------------------------------------------------------------------ membership
     @property
@@ -138,8 +136,7 @@ class BatchDecoder:
             self.cache.lengths[slot] = self.prompt_cache.load(self.cache, slot, seq.prefill_ids, regime(self.model),
                                                               PREFILL_CHUNK)
             seq.stats.cached_tokens = self.cache.lengths[slot]
-        self._arrivals += 1
-        self.entries[key] = _Entry(key, seq, slot, filled=self.cache.lengths[slot], order=self._arrivals)
+        self.entries[key] = _Entry(key, seq, slot, filled=self.cache.lengths[slot])
         if self.entries[key].prefilled:  # nothing (left) to prefill
             seq.prefilled()
         return seq
@@ -315,7 +312,8 @@ class BatchDecoder:
         others' first tokens wait least), unless one has waited PREFILL_PATIENCE steps."""
         waiting = [e for e in list(self.entries.values())
                    if not e.prefilled and not self._copy_prompt(e, e.seq.prefill_ids)]
-        waiting.sort(key=lambda e: (e.passed < PREFILL_PATIENCE, len(e.seq.prefill_ids) - e.filled, e.order))
+        # a stable sort of the entries (in arrival order): the older of two equal prompts first
+        waiting.sort(key=lambda e: (e.passed < PREFILL_PATIENCE, len(e.seq.prefill_ids) - e.filled))
         spent, budget, served = 0, self.prefill_budget, set()
         for entry in waiting:
             ids = entry.seq.prefill_ids
@@ -343,8 +341,7 @@ class BatchDecoder:
         Its first len(ids) positions are committed and never change, and a prefill is the
         same computation in every slot, so the copy is exactly what prefilling would give."""
         for other in self.entries.values():
-            if other is entry or not other.prefilled or len(other.seq.prefill_ids) != len(ids) or \
-                    other.seq.prefill_ids != ids:
+            if other is entry or not other.prefilled or other.seq.prefill_ids != ids:
                 continue
             n = len(ids)
             self.cache.k[:, entry.slot, :, :n] = self.cache.k[:, other.slot, :, :n]

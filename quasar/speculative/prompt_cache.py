@@ -79,7 +79,7 @@ class PromptCache:
         makes it redundant."""
         exact, _ = rule
         n = len(tokens) if exact else min(whole_chunks, len(tokens))
-        if n <= 0:
+        if n <= 0 or 2 * cache.k[:, slot, :, :n].numel() * cache.k.element_size() > self.max_bytes:
             return
         tokens = list(tokens[:n])
         for key, kept in list(self.kept.items()):
@@ -91,8 +91,6 @@ class PromptCache:
             if kept.tokens == tokens[:len(kept.tokens)]:
                 self._drop(key)
         kept = _Kept(tokens, cache.k[:, slot, :, :n].clone(), cache.v[:, slot, :, :n].clone(), rule)
-        if kept.nbytes > self.max_bytes:
-            return
         self._ids += 1
         self.kept[self._ids] = kept
         self.nbytes += kept.nbytes
