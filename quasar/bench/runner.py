@@ -561,7 +561,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     started = _dt.datetime.now(_dt.timezone.utc)
     threads = cfg.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    llm = LLM(cfg.model, dtype=cfg.dtype, threads=threads)
+    # no prompt cache: every prompt prefills from an empty cache, as the peers' (llama.cpp is reset)
+    llm = LLM(cfg.model, dtype=cfg.dtype, threads=threads, prompt_cache_mib=0)
     prompts, warnings = load_prompts(cfg, llm)
     gguf_path, why_no_gguf = gguf_source(cfg)
 

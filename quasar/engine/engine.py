@@ -175,7 +175,7 @@ class Engine:
         if cache is None or cache.n_slots < self.max_batch or cache.max_seq_len != self.max_context:
             model.setup_cache(self.max_context, n_slots=self.max_batch)  # someone resized it
             if spec in self._prompts:
-                self._prompts[spec].clear()  # the kept K/V were of that cache's dtype and shape
+                self._prompts[spec].clear()  # kept for the old cache's layout: they never match again
         return BatchDecoder(model, self.loaded.tokenizer, slots, max_rows=DEFAULT_BATCH_ROWS,
                             prompt_cache=self.prompt_cache(spec))
 
@@ -184,7 +184,8 @@ class Engine:
         draft = self.new_drafter(plan)
         with self.lock:
             model = self.model(plan.verifier_spec)
-            yield from decode(model, self.loaded.tokenizer, ids, draft, plan.options)
+            yield from decode(model, self.loaded.tokenizer, ids, draft, plan.options,
+                              prompt_cache=self.prompt_cache(plan.verifier_spec))
 
     def decode_batch(self, plan: DecodePlan, prompts: list[list[int]]) -> list[Result]:
         """Decode every prompt in `prompts` (token ids) with `plan`, up to `max_batch` at a time

@@ -353,10 +353,11 @@ class BatchDecoder:
 
 
 def decode(model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], drafter: Drafter,
-           opts: DecodeOptions, slot: int = 0) -> Iterator[Chunk | Result]:
+           opts: DecodeOptions, slot: int = 0, prompt_cache: PromptCache | None = None) -> Iterator[Chunk | Result]:
     """Yield a Chunk per verifier step, then the Result, decoding one sequence alone in cache
-    slot `slot`: a batch of one, so its tokens are those it would get in any batch."""
-    batch = BatchDecoder(model, tokenizer, slots=[slot], prefill_budget=None)
+    slot `slot`: a batch of one, so its tokens are those it would get in any batch (with
+    `prompt_cache`: starting from the longest prefix kept there, and kept there once done)."""
+    batch = BatchDecoder(model, tokenizer, slots=[slot], prefill_budget=None, prompt_cache=prompt_cache)
     batch.add(0, prompt_ids, drafter, opts)
     while True:
         for _, item in batch.step():

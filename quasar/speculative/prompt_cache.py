@@ -34,10 +34,13 @@ CHUNKS_ONLY = ("whole chunks",)
 
 def regime(model) -> tuple:
     """(exact, key): `exact` when every step and prefill chunk of `model` over its cache is
-    computed row by row; `key` names what the bits depend on besides the tokens."""
-    kernel = model.step_kernel
-    key = kernel.exact_rows_key(model.cache) if hasattr(kernel, "exact_rows_key") else None
-    return (True, key) if key is not None else (False, CHUNKS_ONLY)
+    computed row by row; `key` names what the bits depend on besides the tokens, the cache's
+    dtype and length among them (a record copied into a cache of another dtype would be cast,
+    and a long-context rotary embedding's factors follow the cache's length)."""
+    kernel, cache = model.step_kernel, model.cache
+    key = kernel.exact_rows_key(cache) if hasattr(kernel, "exact_rows_key") else None
+    layout = (str(cache.k.dtype), cache.max_seq_len)
+    return (True, (*key, *layout)) if key is not None else (False, (*CHUNKS_ONLY, *layout))
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:

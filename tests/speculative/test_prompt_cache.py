@@ -14,7 +14,7 @@ import torch
 
 from conftest import tiny_w8a8_llm
 from quasar.kernels import ext
-from quasar.speculative.batch import PREFILL_CHUNK, PREFILL_PATIENCE, BatchDecoder, prefill
+from quasar.speculative.batch import PREFILL_CHUNK, PREFILL_PATIENCE, BatchDecoder, decode, prefill
 from quasar.speculative.generate import Chunk, Result
 from quasar.speculative.prompt_cache import PromptCache, regime
 
@@ -49,6 +49,14 @@ def run(llm, batch: BatchDecoder, requests: dict, plan) -> dict:
 
 def decoder(llm, verifier: str, slots: list[int], cache: PromptCache | None) -> BatchDecoder:
     return BatchDecoder(llm.verifier_model(verifier), llm.tokenizer, slots=slots, prompt_cache=cache)
+
+
+def plain(llm, ids: list[int], **options) -> list[int]:
+    """The tokens of a decode of `ids` without any prompt cache (LLM.generate has one)."""
+    plan = llm.check_options(**options)
+    with llm.lock:
+        items = decode(llm.verifier_model(plan.verifier), llm.tokenizer, ids, llm.new_drafter(plan), plan.options)
+        return [item for item in items if isinstance(item, Result)][0].token_ids
 
 
 def fresh_kv(model, slot: int, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +102,7 @@ def test_a_later_prompt_reuses_the_kept_prefix_bit_for_bit(llm, verifier):
                 assert not isinstance(item, Exception), item
                 if isinstance(item, Chunk):
                     tokens += item.token_ids
-    assert tokens == llm.generate(prompt_ids=second, max_new_tokens=24, temperature=0, verifier=verifier).token_ids
+    assert tokens == plain(llm, second, max_new_tokens=24, temperature=0, verifier=verifier)
 
 
 def test_the_server_batches_reuse_the_cache_and_count_it(llm):
@@ -107,9 +115,42 @@ def test_the_server_batches_reuse_the_cache_and_count_it(llm):
         one = llm.engine.decode_batch(llm.check_options(max_new_tokens=12, **options), [first])[0]
         two = llm.engine.decode_batch(llm.check_options(max_new_tokens=12, **options), [second])[0]
         assert two.stats.cached_tokens >= len(first) - 1 if exact else two.stats.cached_tokens == PREFILL_CHUNK
-        alone = llm.generate(prompt_ids=second, max_new_tokens=12, **options)
-        assert two.token_ids == alone.token_ids
-        assert one.token_ids == llm.generate(prompt_ids=first, max_new_tokens=12, **options).token_ids
+        assert two.token_ids == plain(llm, second, max_new_tokens=12, **options)
+        assert one.token_ids == plain(llm, first, max_new_tokens=12, **options)
+
+
+def test_generate_reuses_the_previous_turn(llm):
+    """LLM.generate (a Python chat loop) keeps each finished turn: the next turn, the reply
+    included, starts from it and reports it, with the tokens of a decode without the cache."""
+    first = ids_of(llm, PREFILL_CHUNK + 20, " Go on:")
+    exact, _ = regime(llm.verifier_model("w8a8"))
+    one = llm.generate(prompt_ids=first, max_new_tokens=16, temperature=0)
+    second = first + one.token_ids + llm.encode(" And then?", raw=True)
+    two = llm.generate(prompt_ids=second, max_new_tokens=16, temperature=0)
+    if exact:  # all but the reply's last token (never run through the verifier)
+        assert len(first) + len(one.token_ids) - 1 <= two.stats["cached_tokens"] < len(second)
+    else:
+        assert two.stats["cached_tokens"] == PREFILL_CHUNK
+    assert two.token_ids == plain(llm, second, max_new_tokens=16, temperature=0)
+
+
+def test_a_record_serves_only_the_cache_layout_it_was_made_in(llm):
+    """The regime names the cache's dtype and length: K/V kept from one cache are not copied
+    into a cache of another length (a long-context rotary embedding's K depend on it)."""
+    model = llm.verifier_model("w8a8")
+    ids = ids_of(llm, PREFILL_CHUNK + 8)
+    cache = PromptCache(64 << 20)
+    with llm.lock:
+        saved = model.cache
+        try:
+            model.setup_cache(384, 1)
+            fresh_kv(model, 0, ids)
+            cache.save(model.cache, 0, ids, PREFILL_CHUNK, regime(model))
+            assert cache.load(model.cache, 0, ids, regime(model), PREFILL_CHUNK) >= PREFILL_CHUNK
+            model.setup_cache(448, 1)
+            assert cache.load(model.cache, 0, ids, regime(model), PREFILL_CHUNK) == 0
+        finally:
+            model.cache = saved
 
 
 def test_the_cache_keeps_within_its_bytes_least_recently_used_first(llm):
