@@ -1,6 +1,7 @@
 """Measure the tree drafter's edge probabilities (quasar/speculative/tree_drafter.py, EDGE_PROB).
 
-    python scripts/tools/tree_edge_stats.py [--model default] [--n 13] [--budget 24] [--max-new-tokens 128]
+    python scripts/tools/tree_edge_stats.py [--model default] [--verifier V] [--n 13] [--budget 24]
+                                            [--max-new-tokens 128]
 
 Decodes held-out prompts of the five bench tasks (task_prompts(task, n) minus the prompts
 the bench itself uses) greedily with the tree drafter at a large budget, no node dropped for
@@ -48,6 +49,7 @@ class CountingTreeDrafter(TreeDrafter):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
+    ap.add_argument("--verifier", default=None, help="the verifier to decode with (default: the model's own)")
     ap.add_argument("--n", type=int, default=13, help="prompts per task before the bench's own are removed")
     ap.add_argument("--budget", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -56,7 +58,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     registry._DRAFTERS["tree"] = CountingTreeDrafter
     llm = LLM(args.model, max_context=4096, max_batch=1)
-    model = llm.verifier_model("w8a8")
+    verifier = args.verifier or llm.verifier
+    model = llm.verifier_model(verifier)
     # keep every proposed node (rows free, however many, whatever the context): measure them all;
     # no price learner (quasar.runtime.learned_prices) to price them again
     model.row_cost, model.row_prices, model.pass_rows, model.key_cost = 0.0, None, None, 0.0
@@ -69,7 +72,7 @@ def main() -> None:
                 continue
             ids = llm.encode(item.messages) if item.messages else llm.encode(item.text, raw=task == "code")
             llm.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, drafter="tree",
-                         draft_budget=args.budget)
+                         draft_budget=args.budget, verifier=verifier)
             prompts += 1
     counts = CountingTreeDrafter.counts
     total = sum(c[0] for c in counts.values())
